@@ -1,0 +1,272 @@
+"""S3D8: 3 weights in 1 byte (SPEC section 1), the Python reference every other implementation matches.
+
+Three weights of consecutive output channels at the same input index share a byte: a 5-bit index
+``q`` into a per-matrix table ``T[32, 3]`` of absolute values, and three sign selectors laid out as
+``byte = (q << 1) | s0 | (s1 << 6) | ((s0 ^ s2) << 7)``. The decoded weight is
+``(s_j ? -1 : +1) * T[q][j] * scale[row]`` with a bf16 absmax/127 scale per output channel.
+
+Float arithmetic is spelt out so that the native encoder can reproduce it bit for bit: the distance
+to a centroid is ``(e0*e0 + e1*e1) + e2*e2`` in float32 (no fused multiply-add), ``e_j = |v_j| - T[i][j]``,
+and ties go to the lowest index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.formats.base import State, ceil_div, check_shape, check_weight, round_up
+from pipeline.quant import channel_scale, straight_through
+
+NAME = "s3d8"
+N_CENTROIDS = 32
+GROUP = 3          # weights per byte, along the output dimension
+COL_ALIGN = 16     # d_in is padded to a multiple of this
+TABLE_BYTES = N_CENTROIDS * GROUP
+
+_SEARCH_CHUNK = 8192           # vectors per nearest-centroid step: [32, 8192] float32 = 1 MiB
+_ROW_BLOCK_ELEMS = 1 << 23     # weights per encoding block (32 MiB as float32), bounds memory for any size
+
+
+def packed_shape(shape) -> tuple[int, int]:
+    d_out, d_in = check_shape(shape)
+    return ceil_div(d_out, GROUP), round_up(d_in, COL_ALIGN)
+
+
+def check_table(table: torch.Tensor) -> torch.Tensor:
+    """Validate a centroid table: int8 (or integer) ``[32, 3]`` with values in [0, 127]."""
+    if not isinstance(table, torch.Tensor):
+        raise ValueError(f"table: expected a torch.Tensor, got {type(table).__name__}")
+    if tuple(table.shape) != (N_CENTROIDS, GROUP):
+        raise ValueError(f"table: expected shape [32, 3], got {list(table.shape)}")
+    if table.is_floating_point() or table.dtype == torch.bool or table.is_complex():
+        raise ValueError(f"table: expected an integer dtype (int8), got {table.dtype}")
+    if table.numel() and (int(table.min()) < 0 or int(table.max()) > 127):
+        raise ValueError(f"table: values must lie in [0, 127], got [{int(table.min())}, {int(table.max())}]")
+    return table.to(torch.int8)
+
+
+def nearest_centroid(a: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest centroid (Euclidean, first on ties) for each row of ``a [N, 3]``."""
+    return _nearest_columns(a.float().T.contiguous(), centroids)
+
+
+def _nearest_columns(a_t: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``nearest_centroid`` for vectors stored as columns, ``a_t [3, N]``.
+
+    Distances are laid out ``[32, chunk]`` so every step is a contiguous vector operation; the
+    first minimal index is found as ``min(where(d == min(d), i, 32))`` (torch's argmin over a short
+    axis is several times slower). Temporaries are two ``[32, chunk]`` buffers, 2 MiB in all.
+    """
+    c = centroids.float().to(a_t.device)
+    n = a_t.shape[1]
+    index = torch.arange(c.shape[0], dtype=torch.int32, device=a_t.device)[:, None]
+    out = torch.empty(n, dtype=torch.int64, device=a_t.device)
+    dist = torch.empty(c.shape[0], min(n, _SEARCH_CHUNK), device=a_t.device)
+    err = torch.empty_like(dist)
+    for start in range(0, n, _SEARCH_CHUNK):
+        part = a_t[:, start:start + _SEARCH_CHUNK]
+        d, e = dist[:, :part.shape[1]], err[:, :part.shape[1]]
+        torch.sub(part[0], c[:, 0:1], out=d)     # (a - T)^2 == (T - a)^2 exactly
+        d.mul_(d)
+        for j in (1, 2):
+            torch.sub(part[j], c[:, j:j + 1], out=e)
+            d.add_(e.mul_(e))
+        out[start:start + part.shape[1]] = torch.where(d == d.amin(0), index, c.shape[0]).amin(0)
+    return out
+
+
+def _normalised_groups(weight: torch.Tensor, scale: torch.Tensor, row0: int, rows: int,
+                       d_in_padded: int) -> torch.Tensor:
+    """Rows ``row0 .. row0+rows`` (a multiple of 3, zero-padded past d_out and d_in) divided by their
+    scales, as vectors ``[rows / 3, d_in_padded, 3]``."""
+    d_out, d_in = weight.shape
+    block = torch.zeros(rows, d_in_padded, dtype=torch.float32, device=weight.device)
+    block_scale = torch.ones(rows, 1, dtype=torch.float32, device=weight.device)
+    real = max(0, min(rows, d_out - row0))
+    block[:real, :d_in] = weight[row0:row0 + real].detach().float()
+    block_scale[:real] = scale[row0:row0 + real].float()
+    block.div_(block_scale)
+    return block.view(rows // GROUP, GROUP, d_in_padded).transpose(1, 2)
+
+
+def _iter_assign(weight, table, scale):
+    """Yield ``(g0, q [G_b, K] int64, signs [G_b, K, 3] bool)`` for blocks of groups, so that
+    temporaries stay bounded (about 100 MiB) whatever the matrix size."""
+    n_groups, d_in_padded = packed_shape(weight.shape)
+    groups_per_block = max(1, _ROW_BLOCK_ELEMS // (GROUP * d_in_padded))
+    for g0 in range(0, n_groups, groups_per_block):
+        g1 = min(n_groups, g0 + groups_per_block)
+        v = _normalised_groups(weight, scale, g0 * GROUP, (g1 - g0) * GROUP, d_in_padded)
+        columns = v.abs().permute(2, 0, 1).reshape(GROUP, -1)     # [3, G_b * K]
+        q = _nearest_columns(columns, table).view(g1 - g0, d_in_padded)
+        yield g0, q, v < 0
+
+
+def encode(weight: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``weight [d_out, d_in]``: ``(packed uint8 [ceil(d_out/3), pad16(d_in)], scale bf16 [d_out, 1])``."""
+    check_weight(weight)
+    table = check_table(table)
+    scale = channel_scale(weight)
+    packed = torch.empty(packed_shape(weight.shape), dtype=torch.uint8, device=weight.device)
+    for g0, q, signs in _iter_assign(weight, table, scale):
+        s = signs.to(torch.int64)
+        byte = (q << 1) | s[..., 0] | (s[..., 1] << 6) | ((s[..., 0] ^ s[..., 2]) << 7)
+        packed[g0:g0 + q.shape[0]] = byte.to(torch.uint8)
+    return packed, scale
+
+
+def signed_luts(table: torch.Tensor) -> torch.Tensor:
+    """The three permuted signed lookup tables ``int8 [3, 64]`` of SPEC section 1.
+
+    Lanes 0 and 2 are sign-minor (``L[2q + s]``), lane 1 is sign-major (``L[q + 32 s]``).
+    """
+    t = check_table(table).to(torch.int16)
+    q = torch.arange(N_CENTROIDS)
+    luts = torch.empty(3, 64, dtype=torch.int16)
+    for lane, (pos, neg) in enumerate([(2 * q, 2 * q + 1), (q, q + 32), (2 * q, 2 * q + 1)]):
+        luts[lane, pos] = t[:, lane]
+        luts[lane, neg] = -t[:, lane]
+    return luts.to(torch.int8)
+
+
+def _check_packed(packed: torch.Tensor, shape) -> torch.Tensor:
+    rows, cols = packed_shape(shape)
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise ValueError(f"packed: expected a uint8 tensor, got "
+                         f"{packed.dtype if isinstance(packed, torch.Tensor) else type(packed).__name__}")
+    if packed.numel() != rows * cols or packed.dim() not in (1, 2) or (
+            packed.dim() == 2 and tuple(packed.shape) != (rows, cols)):
+        raise ValueError(f"packed: a weight of shape {tuple(shape)} needs {rows} x {cols} = {rows * cols} "
+                         f"bytes, got shape {list(packed.shape)} ({packed.numel()} bytes)")
+    return packed.reshape(rows, cols)
+
+
+def decode_int8(packed: torch.Tensor, table: torch.Tensor, shape) -> torch.Tensor:
+    """Decode to the INT8 compute format ``int8 [d_out, d_in]`` through the signed lookup tables."""
+    d_out, d_in = check_shape(shape)
+    b = _check_packed(packed, shape).to(torch.int64)
+    luts = signed_luts(table).to(b.device)
+    i0 = b & 0x3F
+    i1 = (b >> 1) & 0x3F
+    i2 = i0 ^ (b >> 7)
+    w = torch.stack([luts[0][i0], luts[1][i1], luts[2][i2]], dim=1)  # [G, 3, K]
+    return w.reshape(-1, b.shape[1])[:d_out, :d_in]
+
+
+def decode(packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, shape) -> torch.Tensor:
+    """Decode to ``float32 [d_out, d_in]``: the INT8 value times its channel scale."""
+    d_out, _ = check_shape(shape)
+    if not isinstance(scale, torch.Tensor) or scale.numel() != d_out:
+        raise ValueError(f"scale: expected {d_out} channel scales, got "
+                         f"{list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    return decode_int8(packed, table, shape).float() * scale.reshape(d_out, 1).float()
+
+
+def quantize(weight: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Fake-quantised weight, equal to ``decode(*encode(weight, table), table, shape)`` bit for bit
+    (for float32 input), in the weight's dtype with a straight-through gradient."""
+    check_weight(weight)
+    table = check_table(table)
+    d_out, d_in = weight.shape
+    scale = channel_scale(weight)
+    t = table.float().to(weight.device)
+    n_groups, d_in_padded = packed_shape(weight.shape)
+    out = torch.empty(n_groups, GROUP, d_in_padded, dtype=torch.float32, device=weight.device)
+    for g0, q, signs in _iter_assign(weight, table, scale):
+        mag = t[q]                                            # [G_b, K, 3]
+        out[g0:g0 + q.shape[0]] = torch.where(signs, -mag, mag).transpose(1, 2)
+    w = out.view(-1, d_in_padded)[:d_out, :d_in] * scale.float()
+    return straight_through(weight, w.to(weight.dtype))
+
+
+def _vectors_sample(weight: torch.Tensor, max_vectors: int, seed: int) -> torch.Tensor:
+    """Absolute normalised 3-vectors ``[N, 3]`` of the weight (all of them, or a seeded sample)."""
+    d_out, d_in = weight.shape
+    n_groups = ceil_div(d_out, GROUP)
+    total = n_groups * d_in
+    scale = channel_scale(weight).float()
+    if total <= max_vectors:
+        index = torch.arange(total)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        index = torch.randint(total, (max_vectors,), generator=gen)
+    g, k = index // d_in, index % d_in
+    cols = []
+    for j in range(GROUP):
+        rows = g * GROUP + j
+        valid = rows < d_out
+        rows = rows.clamp(max=d_out - 1)
+        vals = weight[rows, k].float() / scale[rows, 0]
+        cols.append(torch.where(valid, vals, torch.zeros_like(vals)).abs())
+    return torch.stack(cols, dim=1)
+
+
+def _kmeans_pp(a: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    first = torch.randint(a.shape[0], (1,), generator=gen)
+    centroids = [a[first[0]]]
+    d2 = ((a - centroids[0]) ** 2).sum(1)
+    for _ in range(1, k):
+        if float(d2.sum()) <= 0:
+            pick = torch.randint(a.shape[0], (1,), generator=gen)[0]
+        else:
+            pick = torch.multinomial(d2.double(), 1, generator=gen)[0]
+        centroids.append(a[pick])
+        d2 = torch.minimum(d2, ((a - a[pick]) ** 2).sum(1))
+    return torch.stack(centroids)
+
+
+def _lloyd(a: torch.Tensor, centroids: torch.Tensor, tol: float, max_iter: int) -> torch.Tensor:
+    """Lloyd iterations from ``centroids`` until at most ``tol`` of the assignments change."""
+    a64, a_t = a.double(), a.T.contiguous()
+    centroids = centroids.double().clone()
+    assign = None
+    for _ in range(max_iter):
+        new = _nearest_columns(a_t, centroids.float())
+        changed = a.shape[0] if assign is None else int((new != assign).sum())
+        assign = new
+        counts = torch.bincount(assign, minlength=N_CENTROIDS).double()
+        sums = torch.zeros(N_CENTROIDS, GROUP, dtype=torch.float64).index_add_(0, assign, a64)
+        filled = counts > 0                      # an empty cluster keeps its centroid
+        centroids[filled] = sums[filled] / counts[filled, None]
+        if changed <= tol * a.shape[0]:
+            break
+    return centroids
+
+
+def fit_centroids(weight: torch.Tensor, *, seed: int = 0, max_vectors: int = 2 ** 22,
+                  tol: float = 1e-3, max_iter: int = 100) -> torch.Tensor:
+    """Fit the ``int8 [32, 3]`` absolute-value table by Lloyd-Max (k-means) on normalised 3-vectors.
+
+    k-means++ initialisation and subsampling are seeded; iteration stops when at most ``tol`` of
+    the assignments change. To converge in seconds, Lloyd runs first on nested random subsets of
+    the sample (2^16, 2^18, 2^20 vectors) and each result seeds the next, ending on the whole
+    sample with the same stopping rule. Centroids are rounded to the nearest integer (SPEC decision).
+    """
+    check_weight(weight)
+    if max_vectors < 1:
+        raise ValueError(f"max_vectors: must be positive, got {max_vectors}")
+    a = _vectors_sample(weight.detach().cpu(), max_vectors, seed)
+    gen = torch.Generator().manual_seed(seed)
+    a = a[torch.randperm(a.shape[0], generator=gen)]
+    centroids = _kmeans_pp(a[:2 ** 16], N_CENTROIDS, gen)
+    for size in sorted({min(a.shape[0], s) for s in (2 ** 16, 2 ** 18, 2 ** 20, a.shape[0])}):
+        centroids = _lloyd(a[:size], centroids, tol, max_iter)
+    return centroids.round().clamp(0, 127).to(torch.int8)
+
+
+class S3D8:
+    name = NAME
+
+    def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
+        return {"table": fit_centroids(weight, seed=seed)}
+
+    def quantize(self, weight: torch.Tensor, state: State) -> torch.Tensor:
+        return quantize(weight, state["table"])
+
+    def bits_per_param(self, shape) -> float:
+        _, d_in = check_shape(shape)
+        return 8 / 3 + 16 / d_in
+
+    def storage_bytes(self, shape) -> int:
+        rows, cols = packed_shape(shape)
+        return rows * cols + 2 * shape[0] + TABLE_BYTES

@@ -1,0 +1,207 @@
+"""Scalar 6-level formats of the paper's comparison (SPEC section 3): one code point per weight.
+
+They share one mechanism: a bf16 absmax scale per block of the input dimension (a 128-wide block,
+or the whole row for a channel scale), then the nearest of 6 sorted code points (ties go to the
+lower code point). What differs is where the code points come from:
+
+- ``int``: the integers {-3, ..., 2}; the scale maps the block's absmax to 3.
+- ``student_t``: code points fitted to a Student-t distribution (blocks of 128).
+- ``lloyd_max``: code points fitted by 1-D Lloyd-Max to the normalised weights (channel scale).
+
+Storage (a layout of ours, not the paper's): 3 codes per byte in base 6, row-major, padded to a whole
+byte; bf16 scales; float32 code points. ``bits_per_param`` counts ``log2(6)`` per weight as the
+paper does, ``storage_bytes`` the 8/3 bits per weight a byte-aligned file really takes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pipeline.formats.base import LOG2_6, State, ceil_div, check_shape, check_weight
+from pipeline.quant import channel_scale, straight_through
+
+N_LEVELS = 6
+BLOCK = 128
+
+
+def block_scales(weight: torch.Tensor, block: int | None, qmax: float) -> torch.Tensor:
+    """bf16 absmax/qmax scale per ``block``-wide slice of each row (``None``: the whole row),
+    shape ``[d_out, n_blocks]``."""
+    w = _blocked(weight.detach(), block)
+    return channel_scale(w, qmax).squeeze(-1)
+
+
+def _blocked(weight: torch.Tensor, block: int | None) -> torch.Tensor:
+    d_out, d_in = weight.shape
+    block = d_in if block is None else block
+    n_blocks = ceil_div(d_in, block)
+    w = weight.float()
+    if n_blocks * block != d_in:
+        w = torch.nn.functional.pad(w, (0, n_blocks * block - d_in))
+    return w.view(d_out, n_blocks, block)
+
+
+def nearest_code(u: torch.Tensor, codepoints: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest code point (sorted ascending; a tie goes to the lower one)."""
+    mid = (codepoints[1:] + codepoints[:-1]) / 2
+    return torch.bucketize(u, mid.to(u.device), right=False)
+
+
+def quantize_scalar(weight: torch.Tensor, codepoints: torch.Tensor, block: int | None,
+                    qmax: float) -> torch.Tensor:
+    """Fake-quantise with a block scale and a sorted code book; straight-through gradient."""
+    check_weight(weight)
+    codepoints = check_codepoints(codepoints).to(weight.device)
+    d_out, d_in = weight.shape
+    w = _blocked(weight.detach(), block)
+    scale = channel_scale(w, qmax).float()
+    code = codepoints[nearest_code(w / scale, codepoints)]
+    q = (code * scale).reshape(d_out, -1)[:, :d_in]
+    return straight_through(weight, q.to(weight.dtype))
+
+
+def check_codepoints(codepoints: torch.Tensor) -> torch.Tensor:
+    if not isinstance(codepoints, torch.Tensor) or codepoints.shape != (N_LEVELS,):
+        raise ValueError(f"codepoints: expected a tensor of {N_LEVELS} values, got "
+                         f"{list(codepoints.shape) if isinstance(codepoints, torch.Tensor) else codepoints!r}")
+    if not codepoints.is_floating_point() or not torch.isfinite(codepoints).all():
+        raise ValueError(f"codepoints: expected finite floats, got {codepoints.tolist()}")
+    if not bool((codepoints[1:] > codepoints[:-1]).all()):
+        raise ValueError(f"codepoints: must be strictly increasing, got {codepoints.tolist()}")
+    return codepoints.float()
+
+
+def _sample(values: torch.Tensor, max_values: int, seed: int) -> torch.Tensor:
+    values = values.reshape(-1)
+    if values.numel() <= max_values:
+        return values
+    gen = torch.Generator().manual_seed(seed)
+    return values[torch.randint(values.numel(), (max_values,), generator=gen)]
+
+
+def lloyd_max_1d(values: torch.Tensor, weights: torch.Tensor | None = None, *, levels: int = N_LEVELS,
+                 tol: float = 1e-3, max_iter: int = 200) -> torch.Tensor:
+    """Lloyd-Max (1-D k-means) code points for ``values`` (optionally weighted), from quantile init."""
+    v = values.double().reshape(-1)
+    wts = torch.ones_like(v) if weights is None else weights.double().reshape(-1)
+    order = torch.argsort(v)
+    v, wts = v[order], wts[order]
+    cdf = torch.cumsum(wts, 0) / wts.sum()
+    targets = (torch.arange(levels, dtype=torch.float64) + 0.5) / levels
+    code = v[torch.searchsorted(cdf, targets).clamp(max=v.numel() - 1)]
+    assign = None
+    for _ in range(max_iter):
+        code = torch.sort(code).values
+        new = torch.bucketize(v, (code[1:] + code[:-1]) / 2)
+        changed = v.numel() if assign is None else int((new != assign).sum())
+        assign = new
+        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, new, wts)
+        total = torch.zeros(levels, dtype=torch.float64).index_add_(0, new, wts * v)
+        filled = mass > 0
+        code[filled] = total[filled] / mass[filled]
+        if changed <= tol * v.numel():
+            break
+    code = torch.sort(code).values.float()
+    # Keep code points distinct so the nearest-code rule stays well defined.
+    for i in range(1, levels):
+        if code[i] <= code[i - 1]:
+            code[i] = torch.nextafter(code[i - 1], torch.tensor(math.inf))
+    return code
+
+
+class _Scalar6:
+    """Shared bookkeeping of the three 6-level formats."""
+
+    name: str
+    block: int | None
+    qmax: float
+    table_bytes: int = N_LEVELS * 4
+
+    def bits_per_param(self, shape) -> float:
+        _, d_in = check_shape(shape)
+        return LOG2_6 + 16 / (self.block or d_in)
+
+    def storage_bytes(self, shape) -> int:
+        d_out, d_in = check_shape(shape)
+        n_blocks = ceil_div(d_in, self.block or d_in)
+        return ceil_div(d_out * d_in, 3) + 2 * d_out * n_blocks + self.table_bytes
+
+    def quantize(self, weight: torch.Tensor, state: State) -> torch.Tensor:
+        return quantize_scalar(weight, state["codepoints"], self.block, self.qmax)
+
+
+class Int6(_Scalar6):
+    """6-level integer {-3..2}, bf16 absmax scale per 128-wide block (absmax maps to 3, so the top
+    positive level 2 clips the largest positive values: the format is asymmetric by construction)."""
+
+    name = "int"
+    block = BLOCK
+    qmax = 3.0
+    table_bytes = 0
+    CODEPOINTS = torch.arange(-3, 3, dtype=torch.float32)
+
+    def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
+        check_weight(weight)
+        return {"codepoints": self.CODEPOINTS.clone()}
+
+
+class StudentT(_Scalar6):
+    """6 code points fitted to a Student-t distribution, bf16 absmax scale per 128-wide block.
+
+    ``fit`` estimates the Student-t (degrees of freedom and scale, by maximum likelihood over a grid)
+    of the block-normalised weights, truncated to [-1, 1] where absmax scaling puts them, then places
+    the code points by Lloyd-Max on that fitted density: the weights choose the distribution's shape,
+    the distribution (not the sample) chooses the code points.
+    """
+
+    name = "student_t"
+    block = BLOCK
+    qmax = 1.0
+    DOF_GRID = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0, 10.0, 15.0, 30.0, 100.0)
+    SCALE_GRID = torch.logspace(-2.5, 0.5, 61, dtype=torch.float64)
+    MAX_SAMPLES = 2 ** 16
+
+    def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
+        check_weight(weight)
+        w = _blocked(weight.detach(), self.block)
+        u = _sample(w / channel_scale(w, self.qmax).float(), self.MAX_SAMPLES, seed).double()
+        dof, sigma = self.fit_distribution(u)
+        grid = torch.linspace(-1, 1, 4001, dtype=torch.float64)
+        density = self.density(grid, dof, sigma)
+        return {"codepoints": lloyd_max_1d(grid, density),
+                "dof": torch.tensor(dof, dtype=torch.float32),
+                "sigma": torch.tensor(sigma, dtype=torch.float32)}
+
+    @staticmethod
+    def density(x: torch.Tensor, dof: float, sigma: float) -> torch.Tensor:
+        """Unnormalised Student-t density."""
+        return (1 + (x / sigma) ** 2 / dof) ** (-(dof + 1) / 2)
+
+    def fit_distribution(self, u: torch.Tensor) -> tuple[float, float]:
+        """Maximum-likelihood (dof, sigma) of a Student-t truncated to [-1, 1], over a grid."""
+        grid = torch.linspace(-1, 1, 2001, dtype=torch.float64)
+        best = (-math.inf, 0.0, 0.0)
+        for dof in self.DOF_GRID:
+            for sigma in self.SCALE_GRID.tolist():
+                log_norm = math.log(torch.trapezoid(self.density(grid, dof, sigma), grid).item())
+                ll = float(torch.log(self.density(u, dof, sigma)).mean()) - log_norm
+                if ll > best[0]:
+                    best = (ll, dof, sigma)
+        return best[1], best[2]
+
+
+class LloydMax(_Scalar6):
+    """6 code points fitted by 1-D Lloyd-Max to the channel-normalised weights, bf16 absmax scale
+    per output channel (the whole row is one block)."""
+
+    name = "lloyd_max"
+    block = None
+    qmax = 1.0
+    MAX_SAMPLES = 2 ** 22
+
+    def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
+        check_weight(weight)
+        u = weight.detach().float() / channel_scale(weight, self.qmax).float()
+        return {"codepoints": lloyd_max_1d(_sample(u, self.MAX_SAMPLES, seed))}

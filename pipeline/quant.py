@@ -1,0 +1,74 @@
+"""The numerics every other module shares: channel scales, INT8 activations, the straight-through estimator.
+
+SPEC section 2: activations are channel-scaled INT8 per token (per row of the 2-D input), with
+``scale = bf16(absmax / 127)`` (absmax 0 -> 1) and ``q = round(x / scale)`` clamped to [-127, 127].
+This module holds the only implementation; QAT, the native kernels' tests and evaluation import it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127
+
+
+def channel_scale(x: torch.Tensor, qmax: float = INT8_MAX) -> torch.Tensor:
+    """Per-row scale ``bf16(absmax(row) / qmax)`` as a bfloat16 tensor of shape ``[..., 1]``.
+
+    The division is done in float32 and rounded once to bfloat16 (nearest even); a row whose absmax
+    is 0 gets scale 1 so that decoding stays finite and exact.
+    """
+    absmax = x.detach().float().abs().amax(dim=-1, keepdim=True)
+    scale = (absmax / qmax).to(torch.bfloat16)
+    return torch.where(absmax == 0, torch.ones_like(scale), scale)
+
+
+def int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` per row to INT8: returns ``(int8 values, bfloat16 scales [..., 1])``.
+
+    ``values * scales`` approximates ``x``; rounding is half to even (``torch.round``), matching
+    ``rintf`` in the native kernels.
+    """
+    if not x.is_floating_point():
+        raise ValueError(f"int8_activations: expected a floating-point tensor, got {x.dtype}")
+    scale = channel_scale(x)
+    q = torch.round(x.detach().float() / scale.float()).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward returns the quantised tensor exactly; backward passes the gradient to the input unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return quantized
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """``quantized`` in the forward pass, identity gradient to ``x`` in the backward pass.
+
+    Unlike ``x + (q - x).detach()`` the forward value is bit-identical to ``quantized``.
+    """
+    if not x.requires_grad:
+        return quantized
+    return _StraightThrough.apply(x, quantized.detach())
+
+
+def fake_quant_activations(x: torch.Tensor) -> torch.Tensor:
+    """INT8 round trip of activations (per token) with a straight-through gradient, in ``x``'s dtype."""
+    q, scale = int8_activations(x)
+    return straight_through(x, (q.float() * scale.float()).to(x.dtype))
+
+
+def int8_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+                          w_scale: torch.Tensor) -> torch.Tensor:
+    """Reference INT8 product: ``((float)(xq @ wq.T as int32) * x_scale[m]) * w_scale[n]`` in float32.
+
+    The epilogue order is part of the contract the native kernels reproduce bit for bit.
+    """
+    acc = xq.to(torch.int32) @ wq.to(torch.int32).T
+    return acc.float() * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
