@@ -1,0 +1,143 @@
+/* S3D8 kernel library: 3 weights per byte decoded to channel-scaled INT8 (SPEC sections 1, 2).
+ *
+ * Kernel names state their contract, KleidiAI style:  s3d8_<op>_<dst>_<lhs>_<rhs>_<isa>
+ *   f32     float32
+ *   qsi8dx  symmetric int8, one dynamic scale per row (token) of the activations
+ *   qsi8cx  symmetric int8, one bf16 scale per output channel (INT8 weights, row-major [n, k])
+ *   s3d8cx  S3D8 packed weights, SPEC layout [ceil(n/3), pad16(k)] uint8, one bf16 scale per channel
+ *   bf16    bfloat16 weights [n, k] (baseline)
+ *
+ * Every kernel is stateless and allocates nothing: it computes the block of output channels it is
+ * given (pointers already offset to the block), so a caller splits work over threads by channels.
+ * `s3d8_ref.c` is the definition of the right answer; every SIMD variant equals it bit for bit
+ * (except the float bf16 baseline, whose summation order differs).
+ *
+ * Activation rows (xq) have a stride of at least S3D8_LHS_STRIDE(k) bytes and hold zeros from k to
+ * the stride: kernels may read x in whole 64-byte blocks, never past the stride.
+ */
+#ifndef S3D8_H
+#define S3D8_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define S3D8_PAD16(k) ((((size_t)(k)) + 15) / 16 * 16)
+#define S3D8_LHS_STRIDE(k) ((((size_t)(k)) + 63) / 64 * 64)
+#define S3D8_GROUPS(n) ((((size_t)(n)) + 2) / 3)
+
+/* ---- Scalar helpers (s3d8_ref.c) -------------------------------------------------------------- */
+
+/* float32 -> bfloat16 bits, round to nearest even. */
+uint16_t s3d8_bf16_from_f32(float x);
+float s3d8_f32_from_bf16(uint16_t b);
+/* bf16(absmax(row) / 127), or 1.0 for an all-zero row (SPEC sections 1 and 2). */
+uint16_t s3d8_channel_scale_bf16(const float *row, size_t n);
+/* The three signed lookup tables of SPEC section 1: luts[0..63] = L0 (sign-minor),
+ * luts[64..127] = L1 (sign-major), luts[128..191] = L2 (sign-minor). table is T[32][3]. */
+void s3d8_luts_from_table(const int8_t table[96], int8_t luts[192]);
+
+/* ---- Kernels: one set per variant (suffix _ref, _avx2, _avx512, _neon, _neon_i8mm) ----------- */
+
+/* Per-row dynamic int8 quantisation: xq[i, :k] = clamp(rint(x / scale), -127, 127), zeros from k
+ * to S3D8_LHS_STRIDE(k); x_scale[i] = bf16 channel scale (as float); x_sum[i] = sum of xq[i, :]. */
+typedef void s3d8_quant_qsi8dx_f32_fn(size_t m, size_t k, const float *x, size_t x_stride,
+                                      int8_t *xq, size_t xq_stride, float *x_scale, int32_t *x_sum);
+
+/* Decode n output channels of S3D8 (packed: ceil(n/3) rows of pad16(k) bytes) to int8 w[n, k]. */
+typedef void s3d8_decode_qsi8cx_s3d8cx_fn(size_t n, size_t k, const uint8_t *packed,
+                                          const int8_t luts[192], int8_t *w, size_t w_stride);
+
+/* Fused decode + product for n output channels (ceil(n/3) packed rows of pad16(k) bytes):
+ * y[i, c] = ((float)sum_k xq[i,k] * w[c,k] * x_scale[i]) * w_scale[c]. */
+typedef void s3d8_matmul_f32_qsi8dx_s3d8cx_fn(size_t m, size_t n, size_t k, const int8_t *xq,
+                                              size_t xq_stride, const float *x_scale,
+                                              const int32_t *x_sum, const uint8_t *packed,
+                                              const int8_t luts[192], const uint16_t *w_scale,
+                                              float *y, size_t y_stride);
+
+/* INT8-weight product, same activations and epilogue: w is int8 [n, k] (row stride w_stride, only
+ * the first k bytes of a row are read). */
+typedef void s3d8_matmul_f32_qsi8dx_qsi8cx_fn(size_t m, size_t n, size_t k, const int8_t *xq,
+                                              size_t xq_stride, const float *x_scale,
+                                              const int32_t *x_sum, const int8_t *w,
+                                              size_t w_stride, const uint16_t *w_scale, float *y,
+                                              size_t y_stride);
+
+/* bfloat16-weight baseline: y[i, c] = sum_k x[i,k] * w[c,k] in float32 (summation order is the
+ * variant's own). */
+typedef void s3d8_matmul_f32_f32_bf16_fn(size_t m, size_t n, size_t k, const float *x,
+                                         size_t x_stride, const uint16_t *w, size_t w_stride,
+                                         float *y, size_t y_stride);
+
+typedef struct s3d8_variant {
+    const char *name;
+    s3d8_quant_qsi8dx_f32_fn *quant;
+    s3d8_decode_qsi8cx_s3d8cx_fn *decode;
+    s3d8_matmul_f32_qsi8dx_s3d8cx_fn *matmul_s3d8;
+    s3d8_matmul_f32_qsi8dx_qsi8cx_fn *matmul_qsi8;
+    s3d8_matmul_f32_f32_bf16_fn *matmul_bf16;
+} s3d8_variant;
+
+/* Reference-only kernels. */
+/* Encode output channels [3*g0, 3*g1) of w[d_out, d_in] (float32, row stride w_stride) given the
+ * channel scales (bf16 bits, d_out of them) into packed rows g0..g1-1 (row stride pad16(d_in)). */
+void s3d8_encode_s3d8cx_f32_ref(size_t d_out, size_t d_in, const float *w, size_t w_stride,
+                                const int8_t table[96], const uint16_t *scale, uint8_t *packed,
+                                size_t g0, size_t g1);
+/* y[i, c] = ((float)acc[i, c] * x_scale[i]) * w_scale[c]: the epilogue for an external int32 GEMM. */
+void s3d8_dequant_f32_i32_ref(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                              const float *x_scale, const uint16_t *w_scale, float *y,
+                              size_t y_stride);
+
+/* ---- Variants and threaded drivers (s3d8_dispatch.c) ----------------------------------------- */
+
+int s3d8_variant_count(void);                  /* variants compiled into this build */
+const s3d8_variant *s3d8_variant_get(int i);
+int s3d8_variant_supported(int i);             /* 1 if this CPU can run variant i */
+int s3d8_variant_find(const char *name);       /* index, or -1 */
+/* The variant to use: S3D8_VARIANT from the environment if set (-1 if unknown or unsupported),
+ * otherwise the fastest supported one. */
+int s3d8_variant_default(void);
+
+/* The drivers split output channels (whole groups of 3 for S3D8) into `threads` contiguous blocks;
+ * every channel is computed by one thread with the same arithmetic, so results do not depend on
+ * the thread count. They return 0, or -1 for an invalid variant. */
+int s3d8_quant(int v, int threads, size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
+               size_t xq_stride, float *x_scale, int32_t *x_sum);
+int s3d8_decode(int v, int threads, size_t n, size_t k, const uint8_t *packed,
+                const int8_t table[96], int8_t *w, size_t w_stride);
+int s3d8_matmul_s3d8(int v, int threads, size_t m, size_t n, size_t k, const int8_t *xq,
+                     size_t xq_stride, const float *x_scale, const int32_t *x_sum,
+                     const uint8_t *packed, const int8_t table[96], const uint16_t *w_scale,
+                     float *y, size_t y_stride);
+int s3d8_matmul_qsi8(int v, int threads, size_t m, size_t n, size_t k, const int8_t *xq,
+                     size_t xq_stride, const float *x_scale, const int32_t *x_sum, const int8_t *w,
+                     size_t w_stride, const uint16_t *w_scale, float *y, size_t y_stride);
+int s3d8_matmul_bf16(int v, int threads, size_t m, size_t n, size_t k, const float *x,
+                     size_t x_stride, const uint16_t *w, size_t w_stride, float *y,
+                     size_t y_stride);
+/* Large m: decode `tile_groups` groups at a time into `work` (threads * 3 * tile_groups rows of
+ * S3D8_LHS_STRIDE(k) bytes) and multiply each tile with the variant's INT8 kernel. */
+int s3d8_matmul_s3d8_tiled(int v, int threads, size_t m, size_t n, size_t k, const int8_t *xq,
+                           size_t xq_stride, const float *x_scale, const int32_t *x_sum,
+                           const uint8_t *packed, const int8_t table[96],
+                           const uint16_t *w_scale, float *y, size_t y_stride, int8_t *work,
+                           size_t tile_groups);
+/* Channel scales then encoding, groups split over threads. */
+void s3d8_encode(int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
+                 const int8_t table[96], uint8_t *packed, uint16_t *scale);
+void s3d8_dequant(int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
+
+/* Benchmark helper: reads n bytes (64-byte aligned chunks) and returns a checksum, at the speed
+ * of the memory system; the bandwidth yardstick for the INT8 GEMV. */
+uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,224 @@
+/* x86 AVX-512 variant: VBMI `vpermb` for the 64-entry signed lookups, VNNI `vpdpbusd` for the
+ * dot products. Needs AVX512F/BW/VL/VBMI/VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later).
+ *
+ * vpdpbusd multiplies unsigned by signed bytes, so the weight is the unsigned operand biased by
+ * +128 (the lookup tables hold w + 128, which is free) and the activation the signed one:
+ *   sum (w + 128) * x = sum w * x + 128 * sum x,
+ * and 128 * x_sum is subtracted once per output. Arithmetic wraps mod 2^32 as in the reference.
+ *
+ * m = 1 is bound by memory bandwidth: the packed matrix is walked row after row, one linear stream,
+ * with a software prefetch ahead of the loads (one core cannot keep enough DRAM reads in flight
+ * from the hardware prefetcher alone on this kind of machine, see shared/notes/perf-anchors.md). */
+#include <immintrin.h>
+#include <string.h>
+
+#include "s3d8.h"
+#include "s3d8_internal.h"
+
+#define PREFETCH_BYTES 1024 /* distance ahead of the weight stream */
+
+static inline __m512i bias_lut(const int8_t *lut) {
+    return _mm512_xor_si512(_mm512_loadu_si512(lut), _mm512_set1_epi8((char)0x80));
+}
+
+/* 64 packed bytes -> three vectors of 64 biased weights (w + 128), for rows 3g, 3g+1, 3g+2.
+ * vpermb reads only the low 6 bits of each index, so I0 = b and I1 = b >> 1 (a 16-bit shift that
+ * moves a neighbour's bit into bit 7 only) need no mask; I2 = b ^ ((b >> 7) & 1). */
+static inline void decode64(__m512i b, __m512i l0, __m512i l1, __m512i l2, __m512i w[3]) {
+    w[0] = _mm512_permutexvar_epi8(b, l0);
+    w[1] = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 1), l1);
+    __m512i i2 = _mm512_ternarylogic_epi32(b, _mm512_srli_epi16(b, 7), _mm512_set1_epi8(1), 0x78);
+    w[2] = _mm512_permutexvar_epi8(i2, l2);
+}
+
+static inline float epilogue(__m512i acc, int32_t x_sum, float x_scale, uint16_t w_scale) {
+    uint32_t s = (uint32_t)_mm512_reduce_add_epi32(acc) - 128u * (uint32_t)x_sum;
+    return ((float)(int32_t)s * x_scale) * s3d8_f32_from_bf16(w_scale);
+}
+
+static inline __mmask64 tail_mask(size_t len) {
+    return len >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << len) - 1);
+}
+
+/* Quantisation: 16 floats at a time, division and rounding exactly as rintf(x / scale). */
+static void quant_avx512(size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
+                         size_t xq_stride, float *x_scale, int32_t *x_sum) {
+    size_t stride = S3D8_LHS_STRIDE(k);
+    for (size_t i = 0; i < m; i++) {
+        const float *xr = x + i * x_stride;
+        int8_t *qr = xq + i * xq_stride;
+        __m512 vmax = _mm512_setzero_ps();
+        for (size_t j = 0; j < k; j += 16) {
+            __mmask16 mk = (__mmask16)tail_mask(k - j < 16 ? k - j : 16);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, xr + j)));
+        }
+        float scale = s3d8_scale_from_absmax(_mm512_reduce_max_ps(vmax));
+        if (scale == 0.0f) {
+            s3d8_quant_row_ref(k, xr, qr, stride, x_scale + i, x_sum + i);
+            continue;
+        }
+        __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        __m512i vsum = _mm512_setzero_si512();
+        for (size_t j = 0; j < k; j += 16) {
+            __mmask16 mk = (__mmask16)tail_mask(k - j < 16 ? k - j : 16);
+            __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(mk, xr + j), vs);
+            q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi));
+            vsum = _mm512_add_epi32(vsum, qi);
+            _mm_mask_storeu_epi8(qr + j, mk, _mm512_cvtepi32_epi8(qi));
+        }
+        memset(qr + k, 0, stride - k);
+        x_scale[i] = scale;
+        x_sum[i] = _mm512_reduce_add_epi32(vsum);
+    }
+}
+
+static void decode_avx512(size_t n, size_t k, const uint8_t *packed, const int8_t luts[192],
+                          int8_t *w, size_t w_stride) {
+    __m512i l0 = _mm512_loadu_si512(luts), l1 = _mm512_loadu_si512(luts + 64),
+            l2 = _mm512_loadu_si512(luts + 128);
+    size_t k16 = S3D8_PAD16(k);
+    for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
+        const uint8_t *row = packed + g * k16;
+        size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
+        for (size_t c = 0; c < k; c += 64) {
+            __mmask64 mk = tail_mask(k - c);
+            __m512i b = _mm512_maskz_loadu_epi8(mk, row + c), v[3];
+            v[0] = _mm512_permutexvar_epi8(b, l0);
+            v[1] = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 1), l1);
+            v[2] = _mm512_permutexvar_epi8(
+                _mm512_ternarylogic_epi32(b, _mm512_srli_epi16(b, 7), _mm512_set1_epi8(1), 0x78), l2);
+            for (size_t j = 0; j < rows; j++)
+                _mm512_mask_storeu_epi8(w + (3 * g + j) * w_stride + c, mk, v[j]);
+        }
+    }
+}
+
+/* One packed row (3 output channels) times T tokens; T is a compile-time constant at each call. */
+static inline __attribute__((always_inline)) void s3d8_group_tokens(
+    int T, size_t k16, const uint8_t *row, const int8_t *xq, size_t xq_stride, __m512i l0,
+    __m512i l1, __m512i l2, __m512i acc[4][3]) {
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < 3; j++) acc[t][j] = _mm512_setzero_si512();
+    for (size_t c = 0; c < k16; c += 64) {
+        _mm_prefetch((const char *)row + c + PREFETCH_BYTES, _MM_HINT_T0);
+        __m512i w[3];
+        decode64(_mm512_maskz_loadu_epi8(tail_mask(k16 - c), row + c), l0, l1, l2, w);
+        for (int t = 0; t < T; t++) {
+            __m512i xv = _mm512_loadu_si512(xq + t * xq_stride + c);
+            for (int j = 0; j < 3; j++) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], w[j], xv);
+        }
+    }
+}
+
+static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
+                               const float *x_scale, const int32_t *x_sum, const uint8_t *packed,
+                               const int8_t luts[192], const uint16_t *w_scale, float *y,
+                               size_t y_stride) {
+    __m512i l0 = bias_lut(luts), l1 = bias_lut(luts + 64), l2 = bias_lut(luts + 128);
+    size_t k16 = S3D8_PAD16(k);
+    for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
+        const uint8_t *row = packed + g * k16;
+        size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
+        for (size_t i = 0; i < m; i += 4) {
+            __m512i acc[4][3];
+            const int8_t *x = xq + i * xq_stride;
+            size_t T = m - i < 4 ? m - i : 4;
+            switch (T) {
+            case 1: s3d8_group_tokens(1, k16, row, x, xq_stride, l0, l1, l2, acc); break;
+            case 2: s3d8_group_tokens(2, k16, row, x, xq_stride, l0, l1, l2, acc); break;
+            case 3: s3d8_group_tokens(3, k16, row, x, xq_stride, l0, l1, l2, acc); break;
+            default: s3d8_group_tokens(4, k16, row, x, xq_stride, l0, l1, l2, acc); break;
+            }
+            for (size_t t = 0; t < T; t++)
+                for (size_t j = 0; j < rows; j++)
+                    y[(i + t) * y_stride + 3 * g + j] =
+                        epilogue(acc[t][j], x_sum[i + t], x_scale[i + t], w_scale[3 * g + j]);
+        }
+    }
+}
+
+/* R weight rows times T tokens, both compile-time constants at each call. */
+static inline __attribute__((always_inline)) void qsi8_block(
+    int R, int T, size_t k, const int8_t *w, size_t w_stride, const int8_t *xq, size_t xq_stride,
+    __m512i acc[4][4]) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_si512();
+    for (size_t c = 0; c < k; c += 64) {
+        __mmask64 mk = tail_mask(k - c);
+        __m512i wv[4];
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(w + r * w_stride + c) + PREFETCH_BYTES, _MM_HINT_T0);
+            wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, w + r * w_stride + c), bias);
+        }
+        for (int t = 0; t < T; t++) {
+            __m512i xv = _mm512_loadu_si512(xq + t * xq_stride + c);
+            for (int r = 0; r < R; r++) acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], wv[r], xv);
+        }
+    }
+}
+
+#define QSI8_BLOCK_T(R, T)                                                                     \
+    switch (T) {                                                                               \
+    case 1: qsi8_block(R, 1, k, wr, w_stride, x, xq_stride, acc); break;                       \
+    case 2: qsi8_block(R, 2, k, wr, w_stride, x, xq_stride, acc); break;                       \
+    case 3: qsi8_block(R, 3, k, wr, w_stride, x, xq_stride, acc); break;                       \
+    default: qsi8_block(R, 4, k, wr, w_stride, x, xq_stride, acc); break;                      \
+    }
+
+static void matmul_qsi8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
+                               const float *x_scale, const int32_t *x_sum, const int8_t *w,
+                               size_t w_stride, const uint16_t *w_scale, float *y,
+                               size_t y_stride) {
+    for (size_t c = 0; c < n; c += 4) {
+        const int8_t *wr = w + c * w_stride;
+        size_t R = n - c < 4 ? n - c : 4;
+        for (size_t i = 0; i < m; i += 4) {
+            __m512i acc[4][4];
+            const int8_t *x = xq + i * xq_stride;
+            size_t T = m - i < 4 ? m - i : 4;
+            switch (R) {
+            case 1: QSI8_BLOCK_T(1, T) break;
+            case 2: QSI8_BLOCK_T(2, T) break;
+            case 3: QSI8_BLOCK_T(3, T) break;
+            default: QSI8_BLOCK_T(4, T) break;
+            }
+            for (size_t t = 0; t < T; t++)
+                for (size_t r = 0; r < R; r++)
+                    y[(i + t) * y_stride + c + r] =
+                        epilogue(acc[t][r], x_sum[i + t], x_scale[i + t], w_scale[c + r]);
+        }
+    }
+}
+
+static void matmul_bf16_avx512(size_t m, size_t n, size_t k, const float *x, size_t x_stride,
+                               const uint16_t *w, size_t w_stride, float *y, size_t y_stride) {
+    for (size_t c = 0; c < n; c++) {
+        const uint16_t *wr = w + c * w_stride;
+        for (size_t i = 0; i < m; i++) {
+            const float *xr = x + i * x_stride;
+            __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+            size_t j = 0;
+            for (; j + 32 <= k; j += 32) {
+                _mm_prefetch((const char *)(wr + j) + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i b = _mm512_loadu_si512(wr + j);
+                __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16));
+                __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16));
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + j), w0, acc0);
+                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + j + 16), w1, acc1);
+            }
+            for (; j < k; j += 16) {
+                __mmask16 mk = (__mmask16)tail_mask(k - j < 16 ? k - j : 16);
+                __m256i b = _mm256_maskz_loadu_epi16(mk, wr + j);
+                __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+                acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, xr + j), w0, acc0);
+            }
+            y[i * y_stride + c] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+        }
+    }
+}
+
+const s3d8_variant s3d8_variant_avx512 = {
+    "avx512", quant_avx512, decode_avx512, matmul_s3d8_avx512, matmul_qsi8_avx512, matmul_bf16_avx512,
+};

@@ -1,0 +1,297 @@
+/* Variant table, CPU feature detection and the threaded drivers.
+ *
+ * Threads split output channels (whole groups of 3 for S3D8) into contiguous blocks, one per
+ * thread, so every output is computed by one thread with the same arithmetic whatever the thread
+ * count. OpenMP is optional: without it the drivers run on the calling thread. */
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
+#include "s3d8.h"
+#include "s3d8_internal.h"
+
+static const s3d8_variant *const VARIANTS[] = {
+    &s3d8_variant_ref,
+#if defined(__x86_64__) || defined(_M_X64)
+    &s3d8_variant_avx2,
+    &s3d8_variant_avx512,
+#endif
+#if defined(__aarch64__)
+    &s3d8_variant_neon,
+    &s3d8_variant_neon_i8mm,
+#endif
+};
+#define N_VARIANTS ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
+
+int s3d8_variant_count(void) { return N_VARIANTS; }
+
+const s3d8_variant *s3d8_variant_get(int i) {
+    return i >= 0 && i < N_VARIANTS ? VARIANTS[i] : NULL;
+}
+
+static int cpu_has(const char *name) {
+    if (strcmp(name, "scalar") == 0) return 1;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (strcmp(name, "avx2") == 0) return __builtin_cpu_supports("avx2");
+    if (strcmp(name, "avx512") == 0)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+               __builtin_cpu_supports("avx512vnni");
+#endif
+#if defined(__aarch64__)
+#if defined(__linux__)
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+    int dot = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+    if (strcmp(name, "neon") == 0) return dot;
+    if (strcmp(name, "neon_i8mm") == 0) return dot && (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+#else
+    if (strcmp(name, "neon") == 0) return 1; /* no portable probe: assume an Armv8.2+ core */
+#endif
+#endif
+    return 0;
+}
+
+int s3d8_variant_supported(int i) {
+    return i >= 0 && i < N_VARIANTS && cpu_has(VARIANTS[i]->name);
+}
+
+int s3d8_variant_find(const char *name) {
+    for (int i = 0; i < N_VARIANTS; i++)
+        if (strcmp(VARIANTS[i]->name, name) == 0) return i;
+    return -1;
+}
+
+int s3d8_variant_default(void) {
+    const char *forced = getenv("S3D8_VARIANT");
+    if (forced && *forced) {
+        int i = s3d8_variant_find(forced);
+        return s3d8_variant_supported(i) ? i : -1;
+    }
+    int best = 0;
+    for (int i = 0; i < N_VARIANTS; i++)
+        if (s3d8_variant_supported(i)) best = i; /* the table is ordered slowest to fastest */
+    return best;
+}
+
+/* Block `part` of `parts` when `total` items are split as evenly as possible. */
+static void block_of(size_t total, int parts, int part, size_t *begin, size_t *end) {
+    size_t q = total / (size_t)parts, r = total % (size_t)parts, p = (size_t)part;
+    *begin = p * q + (p < r ? p : r);
+    *end = *begin + q + (p < r ? 1 : 0);
+}
+
+/* Run body(ctx, part, begin, end) over [0, total) split into `threads` blocks. */
+typedef void range_fn(const void *ctx, int part, size_t begin, size_t end);
+
+static void parallel_for(int threads, size_t total, range_fn *body, const void *ctx) {
+    if (threads > (int)total) threads = total > 0 ? (int)total : 1;
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+        {
+            size_t b, e;
+            block_of(total, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
+            if (b < e) body(ctx, omp_get_thread_num(), b, e);
+        }
+        return;
+    }
+#endif
+    body(ctx, 0, 0, total);
+}
+
+typedef struct {
+    const s3d8_variant *v;
+    size_t m, n, k;
+    const void *x;
+    size_t x_stride;
+    const int8_t *xq;
+    size_t xq_stride;
+    const float *x_scale;
+    const int32_t *x_sum;
+    const void *w;
+    size_t w_stride;
+    const uint16_t *w_scale;
+    int8_t luts[192];
+    const int8_t *table;
+    void *out;
+    size_t out_stride;
+    float *out_scale;
+    int32_t *out_sum;
+    uint16_t *out_bf16;
+    int8_t *work;
+    size_t tile_groups;
+} job;
+
+static const s3d8_variant *variant_or_null(int v) {
+    return s3d8_variant_supported(v) ? VARIANTS[v] : NULL;
+}
+
+static void quant_rows(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    j->v->quant(e - b, j->k, (const float *)j->x + b * j->x_stride, j->x_stride,
+                (int8_t *)j->out + b * j->out_stride, j->out_stride, j->out_scale + b,
+                j->out_sum + b);
+}
+
+int s3d8_quant(int v, int threads, size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
+               size_t xq_stride, float *x_scale, int32_t *x_sum) {
+    job j = {.v = variant_or_null(v), .k = k, .x = x, .x_stride = x_stride, .out = xq,
+             .out_stride = xq_stride, .out_scale = x_scale, .out_sum = x_sum};
+    if (!j.v) return -1;
+    parallel_for(threads, m, quant_rows, &j);
+    return 0;
+}
+
+static void decode_groups(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    size_t n = (3 * e < j->n ? 3 * e : j->n) - 3 * b;
+    j->v->decode(n, j->k, (const uint8_t *)j->w + b * S3D8_PAD16(j->k), j->luts,
+                 (int8_t *)j->out + 3 * b * j->out_stride, j->out_stride);
+}
+
+int s3d8_decode(int v, int threads, size_t n, size_t k, const uint8_t *packed,
+                const int8_t table[96], int8_t *w, size_t w_stride) {
+    job j = {.v = variant_or_null(v), .n = n, .k = k, .w = packed, .out = w, .out_stride = w_stride};
+    if (!j.v) return -1;
+    s3d8_luts_from_table(table, j.luts);
+    parallel_for(threads, S3D8_GROUPS(n), decode_groups, &j);
+    return 0;
+}
+
+static void matmul_s3d8_groups(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    size_t n = (3 * e < j->n ? 3 * e : j->n) - 3 * b;
+    j->v->matmul_s3d8(j->m, n, j->k, j->xq, j->xq_stride, j->x_scale, j->x_sum,
+                      (const uint8_t *)j->w + b * S3D8_PAD16(j->k), j->luts, j->w_scale + 3 * b,
+                      (float *)j->out + 3 * b, j->out_stride);
+}
+
+int s3d8_matmul_s3d8(int v, int threads, size_t m, size_t n, size_t k, const int8_t *xq,
+                     size_t xq_stride, const float *x_scale, const int32_t *x_sum,
+                     const uint8_t *packed, const int8_t table[96], const uint16_t *w_scale,
+                     float *y, size_t y_stride) {
+    job j = {.v = variant_or_null(v), .m = m, .n = n, .k = k, .xq = xq, .xq_stride = xq_stride,
+             .x_scale = x_scale, .x_sum = x_sum, .w = packed, .w_scale = w_scale, .out = y,
+             .out_stride = y_stride};
+    if (!j.v) return -1;
+    s3d8_luts_from_table(table, j.luts);
+    parallel_for(threads, S3D8_GROUPS(n), matmul_s3d8_groups, &j);
+    return 0;
+}
+
+static void matmul_qsi8_rows(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    j->v->matmul_qsi8(j->m, e - b, j->k, j->xq, j->xq_stride, j->x_scale, j->x_sum,
+                      (const int8_t *)j->w + b * j->w_stride, j->w_stride, j->w_scale + b,
+                      (float *)j->out + b, j->out_stride);
+}
+
+int s3d8_matmul_qsi8(int v, int threads, size_t m, size_t n, size_t k, const int8_t *xq,
+                     size_t xq_stride, const float *x_scale, const int32_t *x_sum, const int8_t *w,
+                     size_t w_stride, const uint16_t *w_scale, float *y, size_t y_stride) {
+    job j = {.v = variant_or_null(v), .m = m, .n = n, .k = k, .xq = xq, .xq_stride = xq_stride,
+             .x_scale = x_scale, .x_sum = x_sum, .w = w, .w_stride = w_stride,
+             .w_scale = w_scale, .out = y, .out_stride = y_stride};
+    if (!j.v) return -1;
+    parallel_for(threads, n, matmul_qsi8_rows, &j);
+    return 0;
+}
+
+static void matmul_bf16_rows(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    j->v->matmul_bf16(j->m, e - b, j->k, j->x, j->x_stride,
+                      (const uint16_t *)j->w + b * j->w_stride, j->w_stride,
+                      (float *)j->out + b, j->out_stride);
+}
+
+int s3d8_matmul_bf16(int v, int threads, size_t m, size_t n, size_t k, const float *x,
+                     size_t x_stride, const uint16_t *w, size_t w_stride, float *y,
+                     size_t y_stride) {
+    job j = {.v = variant_or_null(v), .m = m, .n = n, .k = k, .x = x, .x_stride = x_stride,
+             .w = w, .w_stride = w_stride, .out = y, .out_stride = y_stride};
+    if (!j.v) return -1;
+    parallel_for(threads, n, matmul_bf16_rows, &j);
+    return 0;
+}
+
+static void matmul_tiled_groups(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    size_t k16 = S3D8_PAD16(j->k), stride = S3D8_LHS_STRIDE(j->k);
+    int8_t *tile = j->work + (size_t)part * 3 * j->tile_groups * stride;
+    for (size_t g = b; g < e; g += j->tile_groups) {
+        size_t ge = g + j->tile_groups < e ? g + j->tile_groups : e;
+        size_t n = (3 * ge < j->n ? 3 * ge : j->n) - 3 * g;
+        j->v->decode(n, j->k, (const uint8_t *)j->w + g * k16, j->luts, tile, stride);
+        j->v->matmul_qsi8(j->m, n, j->k, j->xq, j->xq_stride, j->x_scale, j->x_sum, tile, stride,
+                          j->w_scale + 3 * g, (float *)j->out + 3 * g, j->out_stride);
+    }
+}
+
+int s3d8_matmul_s3d8_tiled(int v, int threads, size_t m, size_t n, size_t k, const int8_t *xq,
+                           size_t xq_stride, const float *x_scale, const int32_t *x_sum,
+                           const uint8_t *packed, const int8_t table[96],
+                           const uint16_t *w_scale, float *y, size_t y_stride, int8_t *work,
+                           size_t tile_groups) {
+    job j = {.v = variant_or_null(v), .m = m, .n = n, .k = k, .xq = xq, .xq_stride = xq_stride,
+             .x_scale = x_scale, .x_sum = x_sum, .w = packed, .w_scale = w_scale, .out = y,
+             .out_stride = y_stride, .work = work, .tile_groups = tile_groups ? tile_groups : 1};
+    if (!j.v) return -1;
+    s3d8_luts_from_table(table, j.luts);
+    parallel_for(threads, S3D8_GROUPS(n), matmul_tiled_groups, &j);
+    return 0;
+}
+
+static void encode_scales(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    for (size_t r = b; r < e; r++)
+        j->out_bf16[r] = s3d8_channel_scale_bf16((const float *)j->x + r * j->x_stride, j->k);
+}
+
+static void encode_groups(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    s3d8_encode_s3d8cx_f32_ref(j->n, j->k, j->x, j->x_stride, j->table, j->w_scale, j->out, b, e);
+}
+
+void s3d8_encode(int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
+                 const int8_t table[96], uint8_t *packed, uint16_t *scale) {
+    job j = {.n = d_out, .k = d_in, .x = w, .x_stride = w_stride, .table = table,
+             .out_bf16 = scale, .w_scale = scale, .out = packed};
+    parallel_for(threads, d_out, encode_scales, &j);
+    parallel_for(threads, S3D8_GROUPS(d_out), encode_groups, &j);
+}
+
+static void dequant_rows(const void *p, int part, size_t b, size_t e) {
+    const job *j = p;
+    s3d8_dequant_f32_i32_ref(e - b, j->n, (const int32_t *)j->w + b * j->w_stride, j->w_stride,
+                             j->x_scale + b, j->w_scale, (float *)j->out + b * j->out_stride,
+                             j->out_stride);
+}
+
+void s3d8_dequant(int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
+    job j = {.m = m, .n = n, .w = acc, .w_stride = acc_stride, .x_scale = x_scale,
+             .w_scale = w_scale, .out = y, .out_stride = y_stride};
+    parallel_for(threads, m, dequant_rows, &j);
+}
+
+uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n) {
+    uint64_t acc[8] = {0};
+    for (size_t i = 0; i + 64 <= n; i += 64) {
+        uint64_t v[8];
+        memcpy(v, buf + i, 64);
+        for (int l = 0; l < 8; l++) acc[l] += v[l];
+    }
+    return acc[0] ^ acc[1] ^ acc[2] ^ acc[3] ^ acc[4] ^ acc[5] ^ acc[6] ^ acc[7];
+}

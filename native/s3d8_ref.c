@@ -1,0 +1,212 @@
+/* Scalar reference: the definition of S3D8 numerics (SPEC sections 1 and 2). Plain C11, no SIMD.
+ * Compile with -ffp-contract=off: the float expressions below are the contract, term by term.
+ * Integer dot products use uint32 wrap-around, the same as the SIMD accumulators (exact while
+ * k * 127 * 127 < 2^31, i.e. k < 133,000). */
+#include <math.h>
+#include <string.h>
+
+#include "s3d8.h"
+#include "s3d8_internal.h"
+
+uint16_t s3d8_bf16_from_f32(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+float s3d8_f32_from_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+float s3d8_scale_from_absmax(float absmax) {
+    return absmax == 0.0f ? 1.0f : s3d8_f32_from_bf16(s3d8_bf16_from_f32(absmax / 127.0f));
+}
+
+uint16_t s3d8_channel_scale_bf16(const float *row, size_t n) {
+    float absmax = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        float a = fabsf(row[i]);
+        if (a > absmax) absmax = a;
+    }
+    return s3d8_bf16_from_f32(s3d8_scale_from_absmax(absmax));
+}
+
+void s3d8_luts_from_table(const int8_t table[96], int8_t luts[192]) {
+    for (int q = 0; q < 32; q++) {
+        for (int s = 0; s < 2; s++) {
+            int sign = s ? -1 : 1;
+            luts[2 * q + s] = (int8_t)(sign * table[3 * q + 0]);
+            luts[64 + q + 32 * s] = (int8_t)(sign * table[3 * q + 1]);
+            luts[128 + 2 * q + s] = (int8_t)(sign * table[3 * q + 2]);
+        }
+    }
+}
+
+int8_t s3d8_quant_value(float x, float scale) {
+    float q = rintf(x / scale);
+    if (q != q) return 0; /* 0/0 when a tiny absmax rounds the scale to 0: torch gives 0 too */
+    if (q > 127.0f) q = 127.0f;
+    if (q < -127.0f) q = -127.0f;
+    return (int8_t)q;
+}
+
+void s3d8_quant_row_ref(size_t k, const float *x, int8_t *xq, size_t xq_len, float *x_scale,
+                        int32_t *x_sum) {
+    float absmax = 0.0f;
+    for (size_t j = 0; j < k; j++) {
+        float a = fabsf(x[j]);
+        if (a > absmax) absmax = a;
+    }
+    float scale = s3d8_scale_from_absmax(absmax);
+    int32_t sum = 0;
+    for (size_t j = 0; j < k; j++) {
+        xq[j] = s3d8_quant_value(x[j], scale);
+        sum += xq[j];
+    }
+    memset(xq + k, 0, xq_len - k);
+    *x_scale = scale;
+    *x_sum = sum;
+}
+
+static void quant_ref(size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
+                      size_t xq_stride, float *x_scale, int32_t *x_sum) {
+    for (size_t i = 0; i < m; i++)
+        s3d8_quant_row_ref(k, x + i * x_stride, xq + i * xq_stride, S3D8_LHS_STRIDE(k),
+                           x_scale + i, x_sum + i);
+}
+
+/* The three int8 weights of one packed byte. */
+static inline void decode_byte(uint8_t b, const int8_t luts[192], int8_t w[3]) {
+    unsigned i0 = b & 0x3Fu, i1 = (b >> 1) & 0x3Fu, i2 = i0 ^ (b >> 7);
+    w[0] = luts[i0];
+    w[1] = luts[64 + i1];
+    w[2] = luts[128 + i2];
+}
+
+static void decode_ref(size_t n, size_t k, const uint8_t *packed, const int8_t luts[192],
+                       int8_t *w, size_t w_stride) {
+    size_t k16 = S3D8_PAD16(k);
+    for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
+        for (size_t c = 0; c < k; c++) {
+            int8_t v[3];
+            decode_byte(packed[g * k16 + c], luts, v);
+            for (size_t j = 0; j < 3 && 3 * g + j < n; j++) w[(3 * g + j) * w_stride + c] = v[j];
+        }
+    }
+}
+
+static inline float epilogue(uint32_t acc, float x_scale, uint16_t w_scale) {
+    return ((float)(int32_t)acc * x_scale) * s3d8_f32_from_bf16(w_scale);
+}
+
+static void matmul_s3d8_ref(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
+                            const float *x_scale, const int32_t *x_sum, const uint8_t *packed,
+                            const int8_t luts[192], const uint16_t *w_scale, float *y,
+                            size_t y_stride) {
+    (void)x_sum;
+    size_t k16 = S3D8_PAD16(k);
+    for (size_t i = 0; i < m; i++) {
+        const int8_t *x = xq + i * xq_stride;
+        for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
+            uint32_t acc[3] = {0, 0, 0};
+            for (size_t c = 0; c < k; c++) {
+                int8_t v[3];
+                decode_byte(packed[g * k16 + c], luts, v);
+                for (int j = 0; j < 3; j++) acc[j] += (uint32_t)(x[c] * v[j]);
+            }
+            for (size_t j = 0; j < 3 && 3 * g + j < n; j++)
+                y[i * y_stride + 3 * g + j] = epilogue(acc[j], x_scale[i], w_scale[3 * g + j]);
+        }
+    }
+}
+
+static void matmul_qsi8_ref(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
+                            const float *x_scale, const int32_t *x_sum, const int8_t *w,
+                            size_t w_stride, const uint16_t *w_scale, float *y, size_t y_stride) {
+    (void)x_sum;
+    for (size_t i = 0; i < m; i++) {
+        for (size_t c = 0; c < n; c++) {
+            uint32_t acc = 0;
+            for (size_t j = 0; j < k; j++) acc += (uint32_t)(xq[i * xq_stride + j] * w[c * w_stride + j]);
+            y[i * y_stride + c] = epilogue(acc, x_scale[i], w_scale[c]);
+        }
+    }
+}
+
+static void matmul_bf16_ref(size_t m, size_t n, size_t k, const float *x, size_t x_stride,
+                            const uint16_t *w, size_t w_stride, float *y, size_t y_stride) {
+    for (size_t i = 0; i < m; i++) {
+        for (size_t c = 0; c < n; c++) {
+            float acc = 0.0f;
+            for (size_t j = 0; j < k; j++) acc += x[i * x_stride + j] * s3d8_f32_from_bf16(w[c * w_stride + j]);
+            y[i * y_stride + c] = acc;
+        }
+    }
+}
+
+void s3d8_encode_s3d8cx_f32_ref(size_t d_out, size_t d_in, const float *w, size_t w_stride,
+                                const int8_t table[96], const uint16_t *scale, uint8_t *packed,
+                                size_t g0, size_t g1) {
+    enum { CHUNK = 64 };
+    size_t k16 = S3D8_PAD16(d_in);
+    float t[3][32];
+    for (int i = 0; i < 32; i++)
+        for (int j = 0; j < 3; j++) t[j][i] = (float)table[3 * i + j];
+    for (size_t g = g0; g < g1; g++) {
+        float s[3];
+        const float *row[3];
+        for (int j = 0; j < 3; j++) {
+            size_t r = 3 * g + (size_t)j;
+            row[j] = r < d_out ? w + r * w_stride : NULL; /* padded rows are 0 with scale 1 */
+            s[j] = r < d_out ? s3d8_f32_from_bf16(scale[r]) : 1.0f;
+        }
+        for (size_t c0 = 0; c0 < k16; c0 += CHUNK) {
+            size_t len = k16 - c0 < CHUNK ? k16 - c0 : CHUNK;
+            float a[3][CHUNK], best[CHUNK];
+            uint8_t sign[3][CHUNK], q[CHUNK];
+            for (int j = 0; j < 3; j++) {
+                for (size_t c = 0; c < len; c++) {
+                    float v = (row[j] && c0 + c < d_in) ? row[j][c0 + c] / s[j] : 0.0f;
+                    a[j][c] = fabsf(v);
+                    sign[j][c] = v < 0.0f;
+                }
+            }
+            /* Written so the compiler can vectorise it; strict < keeps the first minimum. */
+            for (size_t c = 0; c < len; c++) {
+                float e0 = a[0][c] - t[0][0], e1 = a[1][c] - t[1][0], e2 = a[2][c] - t[2][0];
+                best[c] = (e0 * e0 + e1 * e1) + e2 * e2;
+                q[c] = 0;
+            }
+            for (int i = 1; i < 32; i++) {
+                for (size_t c = 0; c < len; c++) {
+                    float e0 = a[0][c] - t[0][i], e1 = a[1][c] - t[1][i], e2 = a[2][c] - t[2][i];
+                    float d = (e0 * e0 + e1 * e1) + e2 * e2;
+                    int better = d < best[c];
+                    best[c] = better ? d : best[c];
+                    q[c] = better ? (uint8_t)i : q[c];
+                }
+            }
+            uint8_t *out = packed + g * k16 + c0;
+            for (size_t c = 0; c < len; c++)
+                out[c] = (uint8_t)((q[c] << 1) | sign[0][c] | (sign[1][c] << 6) |
+                                   ((sign[0][c] ^ sign[2][c]) << 7));
+        }
+    }
+}
+
+void s3d8_dequant_f32_i32_ref(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                              const float *x_scale, const uint16_t *w_scale, float *y,
+                              size_t y_stride) {
+    for (size_t i = 0; i < m; i++)
+        for (size_t c = 0; c < n; c++)
+            y[i * y_stride + c] = ((float)acc[i * acc_stride + c] * x_scale[i]) * s3d8_f32_from_bf16(w_scale[c]);
+}
+
+const s3d8_variant s3d8_variant_ref = {
+    "scalar", quant_ref, decode_ref, matmul_s3d8_ref, matmul_qsi8_ref, matmul_bf16_ref,
+};
