@@ -129,3 +129,18 @@ def test_rate_distortion_ordering(capsys):
     assert table["normal"]["s3d8"] == pytest.approx(0.209, abs=0.01)
     assert table["normal"]["lloyd_max"] == pytest.approx(0.241, abs=0.01)
     assert all(math.isfinite(v) for row in table.values() for v in row.values())
+
+
+@pytest.mark.parametrize("name", ["int", "student_t", "lloyd_max"])
+def test_scalar_formats_pack_and_unpack_bit_for_bit(name):
+    fmt = formats.get(name)
+    torch.manual_seed(2)
+    for shape in [(1, 1), (3, 130), (7, 257)]:
+        weight = torch.randn(shape)
+        state = fmt.fit(weight)
+        codes, scale = scalar.encode(weight, state["codepoints"], fmt.block, fmt.qmax)
+        assert codes.numel() == -(-shape[0] * shape[1] // 3)
+        back = scalar.decode(codes, scale, state["codepoints"], fmt.block, shape)
+        assert torch.equal(back, fmt.quantize(weight, state))
+    with pytest.raises(ValueError, match="needs"):
+        scalar.decode(codes[:-1], scale, state["codepoints"], fmt.block, shape)

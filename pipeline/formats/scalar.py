@@ -49,17 +49,61 @@ def nearest_code(u: torch.Tensor, codepoints: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(u, mid.to(u.device), right=False)
 
 
+def _codes_and_scales(weight: torch.Tensor, codepoints: torch.Tensor, block: int | None,
+                      qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code index per weight ``[d_out, n_blocks, block]`` (padding included) and bf16 scales."""
+    w = _blocked(weight.detach(), block)
+    scale = channel_scale(w, qmax)
+    return nearest_code(w / scale.float(), codepoints.to(w.device)), scale
+
+
 def quantize_scalar(weight: torch.Tensor, codepoints: torch.Tensor, block: int | None,
                     qmax: float) -> torch.Tensor:
-    """Fake-quantise with a block scale and a sorted code book; straight-through gradient."""
+    """Fake-quantise with a block scale and a sorted code book; straight-through gradient.
+
+    Equal bit for bit to ``decode(*encode(...))`` for float32 input."""
     check_weight(weight)
     codepoints = check_codepoints(codepoints).to(weight.device)
     d_out, d_in = weight.shape
-    w = _blocked(weight.detach(), block)
-    scale = channel_scale(w, qmax).float()
-    code = codepoints[nearest_code(w / scale, codepoints)]
-    q = (code * scale).reshape(d_out, -1)[:, :d_in]
+    codes, scale = _codes_and_scales(weight, codepoints, block, qmax)
+    q = (codepoints[codes] * scale.float()).reshape(d_out, -1)[:, :d_in]
     return straight_through(weight, q.to(weight.dtype))
+
+
+def encode(weight: torch.Tensor, codepoints: torch.Tensor, block: int | None,
+           qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack: ``(codes uint8 [ceil(d_out * d_in / 3)], scale bf16 [d_out, n_blocks])``.
+
+    Codes run row-major over the logical weight, three to a byte as ``c0 + 6 c1 + 36 c2``; the last
+    byte is padded with code 0."""
+    check_weight(weight)
+    codepoints = check_codepoints(codepoints)
+    d_out, d_in = weight.shape
+    codes, scale = _codes_and_scales(weight, codepoints, block, qmax)
+    flat = codes.reshape(d_out, -1)[:, :d_in].reshape(-1)
+    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 3)).view(-1, 3)
+    packed = flat[:, 0] + 6 * flat[:, 1] + 36 * flat[:, 2]
+    return packed.to(torch.uint8), scale.squeeze(-1)
+
+
+def decode(packed: torch.Tensor, scale: torch.Tensor, codepoints: torch.Tensor, block: int | None,
+           shape) -> torch.Tensor:
+    """Unpack to ``float32 [d_out, d_in]``: code point times its block scale."""
+    d_out, d_in = check_shape(shape)
+    codepoints = check_codepoints(codepoints)
+    n_blocks = ceil_div(d_in, block or d_in)
+    if packed.dtype != torch.uint8 or packed.numel() != ceil_div(d_out * d_in, 3):
+        raise ValueError(f"codes: a weight of shape {(d_out, d_in)} needs {ceil_div(d_out * d_in, 3)} "
+                         f"uint8 bytes, got {packed.numel()} of {packed.dtype}")
+    if int(packed.max()) >= N_LEVELS ** 3:
+        raise ValueError(f"codes: byte values must be below {N_LEVELS ** 3}, got {int(packed.max())}")
+    if scale.numel() != d_out * n_blocks:
+        raise ValueError(f"scale: expected {d_out} x {n_blocks} block scales, got {list(scale.shape)}")
+    b = packed.reshape(-1).long()
+    codes = torch.stack([b % 6, (b // 6) % 6, b // 36], dim=1).reshape(-1)[:d_out * d_in]
+    values = codepoints[codes].view(d_out, d_in)
+    per_weight = scale.reshape(d_out, n_blocks).float().repeat_interleave(block or d_in, dim=1)[:, :d_in]
+    return values * per_weight
 
 
 def check_codepoints(codepoints: torch.Tensor) -> torch.Tensor:
