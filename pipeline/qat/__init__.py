@@ -1,0 +1,1 @@
+"""Quantisation-aware training: fake-quantised modules, the prepare step, the distillation loss."""

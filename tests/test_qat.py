@@ -1,0 +1,97 @@
+"""Fake-quantised modules, prepare, the response-only KL and fitted-state files."""
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import formats
+from pipeline.qat.api import prepare, quantised_modules
+from pipeline.qat.loss import response_kl_sum
+from pipeline.qat.modules import QuantEmbedding, QuantLinear
+from pipeline.qat.states import load_states, save_states
+from pipeline.quant import fake_quant_activations
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 32)
+        self.conv = nn.Conv2d(3, 4, 2)
+        self.proj = nn.Linear(32, 7)
+        self.norm = nn.LayerNorm(7)
+
+
+def fitted(model, fmt):
+    return {name: formats.get(fmt).fit(m.weight.detach()) for name, m in quantised_modules(model)}
+
+
+@pytest.mark.parametrize("fmt", ["s3d8", "int", "student_t", "lloyd_max", "int8", "bf16"])
+def test_prepare_swaps_linear_and_embedding_only(fmt):
+    torch.manual_seed(0)
+    model = Tiny()
+    names = prepare(model, fmt, fitted(model, fmt))
+    assert names == ["embed", "proj"]
+    assert isinstance(model.proj, QuantLinear) and isinstance(model.embed, QuantEmbedding)
+    assert isinstance(model.conv, nn.Conv2d) and isinstance(model.norm, nn.LayerNorm)
+    assert set(model.state_dict()) == set(Tiny().state_dict()), "checkpoint layout unchanged"
+
+
+def test_quant_linear_forward_is_quantised_weight_and_int8_activations():
+    torch.manual_seed(0)
+    model = Tiny()
+    states = fitted(model, "s3d8")
+    w = model.proj.weight.detach().clone()
+    prepare(model, "s3d8", states, act_quant=True)
+    x = torch.randn(5, 32)
+    wq = formats.get("s3d8").quantize(w, states["proj"])
+    want = torch.nn.functional.linear(fake_quant_activations(x), wq, model.proj.bias)
+    assert torch.equal(model.proj(x), want)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.embed(ids), formats.get("s3d8").quantize(model.embed.weight, states["embed"])[ids])
+
+
+def test_gradient_reaches_the_master_weights():
+    torch.manual_seed(0)
+    model = Tiny()
+    prepare(model, "s3d8", fitted(model, "s3d8"))
+    out = model.proj(model.embed(torch.tensor([1, 2])))
+    out.sum().backward()
+    assert model.proj.weight.grad is not None and model.proj.weight.grad.abs().sum() > 0
+    assert model.embed.weight.grad is not None and model.embed.weight.grad.abs().sum() > 0
+
+
+def test_missing_state_names_the_module():
+    model = Tiny()
+    states = fitted(model, "s3d8")
+    del states["proj"]
+    with pytest.raises(ValueError, match="'proj'"):
+        prepare(model, "s3d8", states)
+
+
+def test_response_kl_counts_only_masked_positions():
+    torch.manual_seed(0)
+    t = torch.randn(2, 4, 11)
+    s = torch.randn(2, 4, 11)
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 0]])
+    total = response_kl_sum(s, t, mask)
+    pt, ls = t.softmax(-1), s.log_softmax(-1)
+    manual = sum(float((pt[b, i] * (pt[b, i].log() - ls[b, i])).sum()) for b, i in [(0, 1), (0, 2), (1, 2)])
+    assert total.item() == pytest.approx(manual, rel=1e-5)
+    assert response_kl_sum(t, t, mask).item() == pytest.approx(0.0, abs=1e-6)
+    s2 = s.clone()
+    s2[0, 0] += 100           # unmasked positions do not matter
+    assert response_kl_sum(s2, t, mask).item() == pytest.approx(total.item(), rel=1e-6)
+
+
+def test_states_round_trip(tmp_path):
+    model = Tiny()
+    states = fitted(model, "student_t")
+    save_states(tmp_path / "st.safetensors", "student_t", states, {"seed": 0})
+    back = load_states(tmp_path / "st.safetensors", "student_t")
+    assert back.keys() == states.keys()
+    assert all(torch.equal(back[m][k], states[m][k]) for m in states for k in states[m])
+    with pytest.raises(ValueError, match="not 's3d8'"):
+        load_states(tmp_path / "st.safetensors", "s3d8")
+    empty = {name: {} for name in states}
+    save_states(tmp_path / "bf16.safetensors", "bf16", empty)
+    assert load_states(tmp_path / "bf16.safetensors") == empty
