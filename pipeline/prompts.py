@@ -1,0 +1,129 @@
+"""The prompt sampler of SPEC section 5: generic image prompts in varied templates and instructions.
+
+A prompt is a template (the chat template with probability ``p_chat``, else plain ``<|image|>{text}``)
+around a user text: an inner prompt from the pool of 495 and, with probability ``p_instruction``, an
+instruction block prepended to it (a base instruction; a length instruction with probability
+``p_length``; a format instruction with ``p_format``; an adherence probe with ``p_adherence``).
+``fixed_prompt`` replaces all of this by one prompt (the paper's "Describe the image:" ablation).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+DEFAULT_POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "prompt_pool.yaml"
+
+
+@dataclass(frozen=True)
+class PromptPool:
+    prompts: tuple[str, ...]                 # the base prompts, then the composed ones
+    base_instruction: str
+    lengths: dict[str, tuple[float, str]]    # name -> (default probability, text)
+    formats: dict[str, str]                  # name -> text
+    probes: tuple[str, ...]
+
+
+@lru_cache(maxsize=4)
+def load_pool(path: str | Path = DEFAULT_POOL) -> PromptPool:
+    """Read the pool file: base prompts plus ``compose`` over actions x targets x audiences x styles."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: prompt pool not found")
+    doc = yaml.safe_load(path.read_text())
+    try:
+        composed = [doc["compose"].format(action=a, target=t, audience=u, style=s)
+                    for a in doc["actions"] for t in doc["targets"]
+                    for u in doc["audiences"] for s in doc["styles"]]
+        ins = doc["instructions"]
+        return PromptPool(
+            prompts=tuple(doc["base_prompts"]) + tuple(composed),
+            base_instruction=ins["base"],
+            lengths={k: (float(v["p"]), v["text"]) for k, v in ins["length"].items()},
+            formats=dict(ins["format"]),
+            probes=tuple(ins["adherence"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"{path}: prompt pool lacks key {e}") from None
+
+
+@dataclass
+class SamplerParams:
+    p_chat: float = 0.75
+    p_instruction: float = 0.7
+    p_length: float = 0.75
+    length_weights: dict[str, float] = field(default_factory=lambda: {"short": 0.40, "medium": 0.38, "long": 0.22})
+    p_format: float = 0.45
+    p_adherence: float = 0.40
+    fixed_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("p_chat", "p_instruction", "p_length", "p_format", "p_adherence"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"parameter {name!r}: a probability must lie in [0, 1], got {value}")
+        if not self.length_weights or any(w < 0 for w in self.length_weights.values()) \
+                or sum(self.length_weights.values()) <= 0:
+            raise ValueError(f"parameter 'length_weights': needs non-negative weights with a positive sum, "
+                             f"got {self.length_weights}")
+
+
+@dataclass(frozen=True)
+class SampledPrompt:
+    inner: str
+    template: str                     # "chat" or "plain"
+    instruction: str | None = None    # the base instruction, when a block was added
+    length: str | None = None         # "short" / "medium" / "long"
+    format: str | None = None         # a key of the pool's formats
+    adherence: str | None = None      # the probe's text
+    block: tuple[str, ...] = ()       # the instruction sentences, in order
+
+    @property
+    def user_text(self) -> str:
+        """What the user says: the instruction block (if any), then the inner prompt."""
+        return "\n".join([" ".join(self.block), self.inner]) if self.block else self.inner
+
+
+def sample(rng: random.Random, pool: PromptPool, params: SamplerParams) -> SampledPrompt:
+    """Draw one prompt. Every draw consumes the same random numbers, so a change of one probability
+    does not reshuffle the rest of the stream more than it must."""
+    template = "chat" if rng.random() < params.p_chat else "plain"
+    if params.fixed_prompt is not None:
+        return SampledPrompt(inner=params.fixed_prompt, template=template)
+    inner = rng.choice(pool.prompts)
+    draws = [rng.random() for _ in range(4)]
+    length_name = rng.choices(sorted(params.length_weights),
+                              weights=[params.length_weights[k] for k in sorted(params.length_weights)])[0]
+    format_name = rng.choice(sorted(pool.formats))
+    probe = rng.choice(pool.probes)
+    if draws[0] >= params.p_instruction:
+        return SampledPrompt(inner=inner, template=template)
+    unknown = set(params.length_weights) - set(pool.lengths)
+    if unknown:
+        raise ValueError(f"parameter 'length_weights': lengths {sorted(unknown)} are not in the pool "
+                         f"(known: {sorted(pool.lengths)})")
+    block = [pool.base_instruction]
+    length = fmt = adherence = None
+    if draws[1] < params.p_length:
+        length = length_name
+        block.append(pool.lengths[length][1])
+    if draws[2] < params.p_format:
+        fmt = format_name
+        block.append(pool.formats[fmt])
+    if draws[3] < params.p_adherence:
+        adherence = probe
+        block.append(probe)
+    return SampledPrompt(inner=inner, template=template, instruction=pool.base_instruction,
+                         length=length, format=fmt, adherence=adherence, block=tuple(block))
+
+
+def render(prompt: SampledPrompt, processor) -> str:
+    """The full prompt text (BOS and ``<|image|>`` included), ready to tokenise without special tokens."""
+    if prompt.template == "chat":
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.user_text}]}]
+        return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return f"{processor.tokenizer.bos_token}{processor.image_token}{prompt.user_text}"
