@@ -210,29 +210,31 @@ class StudentT(_Scalar6):
     def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
         check_weight(weight)
         w = _blocked(weight.detach(), self.block)
-        u = _sample(w / channel_scale(w, self.qmax).float(), self.MAX_SAMPLES, seed).double()
+        u = (w / channel_scale(w, self.qmax).float()).reshape(weight.shape[0], -1)[:, :weight.shape[1]]
+        u = _sample(u, self.MAX_SAMPLES, seed).double()   # padding excluded: it is not data
         dof, sigma = self.fit_distribution(u)
         grid = torch.linspace(-1, 1, 4001, dtype=torch.float64)
-        density = self.density(grid, dof, sigma)
+        density = self.log_density(grid, dof, sigma).exp()
         return {"codepoints": lloyd_max_1d(grid, density),
                 "dof": torch.tensor(dof, dtype=torch.float32),
                 "sigma": torch.tensor(sigma, dtype=torch.float32)}
 
     @staticmethod
-    def density(x: torch.Tensor, dof: float, sigma: float) -> torch.Tensor:
-        """Unnormalised Student-t density."""
-        return (1 + (x / sigma) ** 2 / dof) ** (-(dof + 1) / 2)
+    def log_density(x: torch.Tensor, dof: float, sigma: torch.Tensor | float) -> torch.Tensor:
+        """Unnormalised Student-t log density."""
+        return torch.log1p((x / sigma) ** 2 / dof) * (-(dof + 1) / 2)
 
     def fit_distribution(self, u: torch.Tensor) -> tuple[float, float]:
         """Maximum-likelihood (dof, sigma) of a Student-t truncated to [-1, 1], over a grid."""
-        grid = torch.linspace(-1, 1, 2001, dtype=torch.float64)
+        grid = torch.linspace(-1, 1, 1001, dtype=torch.float64)
+        sigma = self.SCALE_GRID[:, None]
         best = (-math.inf, 0.0, 0.0)
         for dof in self.DOF_GRID:
-            for sigma in self.SCALE_GRID.tolist():
-                log_norm = math.log(torch.trapezoid(self.density(grid, dof, sigma), grid).item())
-                ll = float(torch.log(self.density(u, dof, sigma)).mean()) - log_norm
-                if ll > best[0]:
-                    best = (ll, dof, sigma)
+            log_norm = torch.log(torch.trapezoid(self.log_density(grid[None, :], dof, sigma).exp(), grid, dim=1))
+            ll = self.log_density(u[None, :], dof, sigma).mean(dim=1) - log_norm
+            i = int(torch.argmax(ll))
+            if float(ll[i]) > best[0]:
+                best = (float(ll[i]), dof, float(self.SCALE_GRID[i]))
         return best[1], best[2]
 
 

@@ -1,0 +1,166 @@
+"""Reading and writing safetensors checkpoints one tensor at a time.
+
+A Hugging Face model directory holds ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``; tensor names there are the checkpoint's names (for Mllama,
+``language_model.model.layers.0...``), which transformers maps to module names on load. Files of this
+project (fitted states, packed models) use the checkpoint names, so that the 11B model's tensors can
+be streamed without ever building the model; :func:`module_to_checkpoint_names` gives the mapping.
+
+:class:`StreamingWriter` writes a safetensors file whose tensors are produced one at a time (the
+``safetensors`` package needs them all in memory at once), atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pipeline.io import atomic_path
+
+_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.bool: "BOOL",
+}
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a model directory or a single ``.safetensors`` file."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        if path.is_dir():
+            index = path / "model.safetensors.index.json"
+            single = path / "model.safetensors"
+            if index.exists():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = {name: path / shard for name, shard in weight_map.items()}
+            elif single.exists():
+                files = None
+                path = single
+            else:
+                raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        elif not path.exists():
+            raise FileNotFoundError(f"{path}: checkpoint not found")
+        else:
+            files = None
+        self.path = path
+        self._handles: dict[Path, object] = {}
+        if files is None:
+            handle = self._open(path)
+            self._files = {name: path for name in handle.keys()}
+        else:
+            self._files = files
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        return self._handles[file]
+
+    def keys(self) -> list[str]:
+        return list(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._files:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        try:
+            return self._open(self._files[name]).get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{self._files[name]}: cannot read tensor {name!r} ({e})") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self._files[name]).get_slice(name).get_shape())
+
+    def metadata(self) -> dict[str, str]:
+        first = next(iter(self._files.values()), None)
+        return dict(self._open(first).metadata() or {}) if first else {}
+
+
+def module_to_checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{state-dict name in the model: name in a saved checkpoint}`` for every parameter/buffer,
+    using the renaming transformers applies in ``save_pretrained``."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names = list(model.state_dict().keys())
+    tagged = {name: torch.tensor([i]) for i, name in enumerate(names)}
+    reverted = revert_weight_conversion(model, tagged)
+    mapping = {names[int(t[0])]: saved for saved, t in reverted.items()}
+    if len(mapping) != len(names):
+        raise RuntimeError("checkpoint renaming is not one-to-one for this model")
+    return mapping
+
+
+class StreamingWriter:
+    """Write a safetensors file tensor by tensor, in the order the tensors were declared.
+
+    Declare every tensor's dtype and shape up front (the header comes first), then ``write`` them in
+    that order; ``close`` checks that all were written and renames the file into place.
+    """
+
+    def __init__(self, path: str | os.PathLike, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+        self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        offset = 0
+        for name, dtype, shape in specs:
+            if name in header:
+                raise ValueError(f"tensor {name!r} declared twice")
+            nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._order.append((name, dtype, tuple(shape), nbytes))
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._next = 0
+        self._ctx = atomic_path(self.path)
+        self._tmp = self._ctx.__enter__()
+        self._file = open(self._tmp, "wb")
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._order):
+            raise ValueError(f"tensor {name!r} was not declared")
+        want, dtype, shape, nbytes = self._order[self._next]
+        if name != want:
+            raise ValueError(f"expected tensor {want!r} next, got {name!r}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"tensor {name!r}: declared {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+        data = tensor.detach().contiguous().cpu().reshape(-1)
+        self._file.write(data.view(torch.uint8).numpy().tobytes() if nbytes else b"")
+        self._next += 1
+
+    def close(self) -> None:
+        self._file.close()
+        if self._next != len(self._order):
+            missing = [n for n, *_ in self._order[self._next:]]
+            self._ctx.__exit__(RuntimeError, None, None)
+            raise RuntimeError(f"{self.path}: {len(missing)} declared tensors were not written, e.g. {missing[:3]}")
+        self._ctx.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        self._file.close()
+        self._ctx.__exit__(RuntimeError, None, None)
+
+    def __enter__(self) -> "StreamingWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,102 @@
+"""Packed files: SPEC section 7 layout, streaming write, load back, equal to the QAT forward."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pipeline import formats
+from pipeline.checkpoint import CheckpointReader, StreamingWriter
+from pipeline.models import load_model, meta_model, quantised_weight_names, states_by_module
+from pipeline.packed import load_packed_model, write_packed
+from pipeline.qat.api import prepare
+from tests.conftest import tiny_inputs
+
+
+def fit_all(checkpoint, fmt):
+    reader = CheckpointReader(checkpoint)
+    model = meta_model(load_model(str(checkpoint), torch.float32).config)
+    names = quantised_weight_names(model)
+    return {saved.removesuffix(".weight"): formats.get(fmt).fit(reader.get(saved)) for saved in names.values()}
+
+
+def test_streaming_writer_round_trip_and_atomicity(tmp_path):
+    tensors = {"b": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "a": torch.tensor([1, 2], dtype=torch.uint8)}
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in sorted(tensors.items())]
+    with StreamingWriter(tmp_path / "x.safetensors", specs, {"k": "v"}) as w:
+        for k, v in sorted(tensors.items()):
+            w.write(k, v)
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert f.metadata() == {"k": "v"}
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+    with pytest.raises(RuntimeError, match="not written"):
+        with StreamingWriter(tmp_path / "y.safetensors", specs) as w:
+            w.write("a", tensors["a"])
+    assert not (tmp_path / "y.safetensors").exists()
+    assert list(tmp_path.iterdir()) == [tmp_path / "x.safetensors"], "no temporary file left behind"
+
+
+@pytest.mark.parametrize("fmt", ["s3d8", "int", "student_t", "lloyd_max"])
+def test_packed_model_equals_the_qat_forward(tiny_checkpoint, tmp_path, fmt):
+    states = fit_all(tiny_checkpoint, fmt)
+    out = tmp_path / f"{fmt}.safetensors"
+    teacher = load_model(str(tiny_checkpoint), torch.float32)
+    summary = write_packed(out, CheckpointReader(tiny_checkpoint), fmt, states, dtype=torch.float32,
+                           metadata={"config": teacher.config.to_dict()})
+    assert summary["file_bytes"] == out.stat().st_size
+    packed_model = load_packed_model(out)
+    qat = load_model(str(tiny_checkpoint), torch.float32)
+    prepare(qat, fmt, states_by_module(qat, states), act_quant=True)
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        assert torch.equal(packed_model(**inputs).logits, qat(**inputs).logits)
+
+
+def test_s3d8_file_follows_spec_section_7(tiny_checkpoint, tmp_path):
+    states = fit_all(tiny_checkpoint, "s3d8")
+    out = tmp_path / "s3d8.safetensors"
+    write_packed(out, CheckpointReader(tiny_checkpoint), "s3d8", states)
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+        assert meta["llama_mobile_format"] == "llama-mobile-s3d8-packed-v1"
+        name = "language_model.model.layers.0.mlp.up_proj.weight"
+        assert f.get_tensor(f"{name}.packed").dtype == torch.uint8 and f.get_tensor(f"{name}.packed").dim() == 1
+        assert f.get_tensor(f"{name}.packed").numel() == -(-64 // 3) * 48
+        assert f.get_tensor(f"{name}.scale").dtype == torch.bfloat16 and f.get_tensor(f"{name}.scale").shape == (64, 1)
+        assert f.get_tensor(f"{name}.table").dtype == torch.int8 and f.get_tensor(f"{name}.table").shape == (32, 3)
+        assert f.get_tensor("language_model.model.norm.weight").dtype == torch.bfloat16
+        assert "vision_model.patch_embedding.weight" in f.keys()          # the conv is not quantised
+        assert "language_model.lm_head.weight.packed" in f.keys()
+        assert json.loads(meta["shapes"])[name] == [64, 48]
+        assert 2.6 < float(meta["bits_per_param_nominal"]) < float(meta["bits_per_param_actual"])
+
+
+def test_bad_packed_files_name_the_tensor(tiny_checkpoint, tmp_path):
+    states = fit_all(tiny_checkpoint, "s3d8")
+    teacher = load_model(str(tiny_checkpoint), torch.float32)
+    good = tmp_path / "good.safetensors"
+    write_packed(good, CheckpointReader(tiny_checkpoint), "s3d8", states, metadata={"config": teacher.config.to_dict()})
+    with safe_open(str(good), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    victim = "language_model.model.layers.0.mlp.up_proj.weight"
+    broken = dict(tensors)
+    del broken[f"{victim}.table"]
+    save_file(broken, str(tmp_path / "missing.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match=f"{victim}.table"):
+        load_packed_model(tmp_path / "missing.safetensors")
+    broken = dict(tensors)
+    broken[f"{victim}.packed"] = broken[f"{victim}.packed"][:-5].clone()
+    save_file(broken, str(tmp_path / "short.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match=victim):
+        load_packed_model(tmp_path / "short.safetensors")
+    broken = dict(tensors)
+    del broken["language_model.model.norm.weight"]
+    save_file(broken, str(tmp_path / "nonorm.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match="language_model.model.norm.weight"):
+        load_packed_model(tmp_path / "nonorm.safetensors")
+    (tmp_path / "garbage.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(ValueError, match="garbage.safetensors"):
+        load_packed_model(tmp_path / "garbage.safetensors")
