@@ -15,7 +15,15 @@
 #include "s3d8.h"
 #include "s3d8_internal.h"
 
-#define PREFETCH_BYTES 1024 /* distance ahead of the weight stream */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 512 /* distance ahead of the weight stream */
+#endif
+#ifndef QSI8_PF
+#define QSI8_PF 512
+#endif
+#ifndef QSI8_HINT
+#define QSI8_HINT _MM_HINT_T1 /* into L2: keeps L1 fill buffers free for the demand loads */
+#endif
 
 static inline __m512i bias_lut(const int8_t *lut) {
     return _mm512_xor_si512(_mm512_loadu_si512(lut), _mm512_set1_epi8((char)0x80));
@@ -94,21 +102,35 @@ static void decode_avx512(size_t n, size_t k, const uint8_t *packed, const int8_
     }
 }
 
-/* One packed row (3 output channels) times T tokens; T is a compile-time constant at each call. */
+/* One packed row (3 output channels) times T tokens, T a compile-time constant at each call:
+ * the accumulators stay in registers only when every index into them is a constant. */
 static inline __attribute__((always_inline)) void s3d8_group_tokens(
-    int T, size_t k16, const uint8_t *row, const int8_t *xq, size_t xq_stride, __m512i l0,
-    __m512i l1, __m512i l2, __m512i acc[4][3]) {
+    int T, size_t k16, const uint8_t *row, const int8_t *xq, size_t xq_stride, const float *x_scale,
+    const int32_t *x_sum, __m512i l0, __m512i l1, __m512i l2, const uint16_t *w_scale, size_t rows,
+    float *y, size_t y_stride) {
+    __m512i acc[4][3], w[3];
     for (int t = 0; t < T; t++)
         for (int j = 0; j < 3; j++) acc[t][j] = _mm512_setzero_si512();
-    for (size_t c = 0; c < k16; c += 64) {
+    size_t c = 0;
+    for (; c + 64 <= k16; c += 64) {
         _mm_prefetch((const char *)row + c + PREFETCH_BYTES, _MM_HINT_T0);
-        __m512i w[3];
+        decode64(_mm512_loadu_si512(row + c), l0, l1, l2, w);
+        for (int t = 0; t < T; t++) {
+            __m512i xv = _mm512_loadu_si512(xq + t * xq_stride + c);
+            for (int j = 0; j < 3; j++) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], w[j], xv);
+        }
+    }
+    if (c < k16) { /* 16, 32 or 48 bytes left; x is zero beyond them */
         decode64(_mm512_maskz_loadu_epi8(tail_mask(k16 - c), row + c), l0, l1, l2, w);
         for (int t = 0; t < T; t++) {
             __m512i xv = _mm512_loadu_si512(xq + t * xq_stride + c);
             for (int j = 0; j < 3; j++) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], w[j], xv);
         }
     }
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < 3; j++)
+            if ((size_t)j < rows)
+                y[t * y_stride + j] = epilogue(acc[t][j], x_sum[t], x_scale[t], w_scale[j]);
 }
 
 static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
@@ -121,19 +143,16 @@ static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
         for (size_t i = 0; i < m; i += 4) {
-            __m512i acc[4][3];
-            const int8_t *x = xq + i * xq_stride;
-            size_t T = m - i < 4 ? m - i : 4;
-            switch (T) {
-            case 1: s3d8_group_tokens(1, k16, row, x, xq_stride, l0, l1, l2, acc); break;
-            case 2: s3d8_group_tokens(2, k16, row, x, xq_stride, l0, l1, l2, acc); break;
-            case 3: s3d8_group_tokens(3, k16, row, x, xq_stride, l0, l1, l2, acc); break;
-            default: s3d8_group_tokens(4, k16, row, x, xq_stride, l0, l1, l2, acc); break;
+#define S3D8_CALL(T) s3d8_group_tokens(T, k16, row, xq + i * xq_stride, xq_stride, x_scale + i,  \
+                                       x_sum + i, l0, l1, l2, w_scale + 3 * g, rows,             \
+                                       y + i * y_stride + 3 * g, y_stride)
+            switch (m - i < 4 ? m - i : 4) {
+            case 1: S3D8_CALL(1); break;
+            case 2: S3D8_CALL(2); break;
+            case 3: S3D8_CALL(3); break;
+            default: S3D8_CALL(4); break;
             }
-            for (size_t t = 0; t < T; t++)
-                for (size_t j = 0; j < rows; j++)
-                    y[(i + t) * y_stride + 3 * g + j] =
-                        epilogue(acc[t][j], x_sum[i + t], x_scale[i + t], w_scale[3 * g + j]);
+#undef S3D8_CALL
         }
     }
 }
@@ -141,53 +160,64 @@ static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
 /* R weight rows times T tokens, both compile-time constants at each call. */
 static inline __attribute__((always_inline)) void qsi8_block(
     int R, int T, size_t k, const int8_t *w, size_t w_stride, const int8_t *xq, size_t xq_stride,
-    __m512i acc[4][4]) {
+    const float *x_scale, const int32_t *x_sum, const uint16_t *w_scale, float *y, size_t y_stride) {
     const __m512i bias = _mm512_set1_epi8((char)0x80);
+    __m512i acc[4][4], wv[4];
     for (int t = 0; t < T; t++)
         for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_si512();
-    for (size_t c = 0; c < k; c += 64) {
-        __mmask64 mk = tail_mask(k - c);
-        __m512i wv[4];
+    size_t c = 0;
+    for (; c + 64 <= k; c += 64) {
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(w + r * w_stride + c) + PREFETCH_BYTES, _MM_HINT_T0);
-            wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, w + r * w_stride + c), bias);
+            _mm_prefetch((const char *)(w + r * w_stride + c) + QSI8_PF, QSI8_HINT);
+            wv[r] = _mm512_xor_si512(_mm512_loadu_si512(w + r * w_stride + c), bias);
         }
         for (int t = 0; t < T; t++) {
             __m512i xv = _mm512_loadu_si512(xq + t * xq_stride + c);
             for (int r = 0; r < R; r++) acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], wv[r], xv);
         }
     }
-}
-
-#define QSI8_BLOCK_T(R, T)                                                                     \
-    switch (T) {                                                                               \
-    case 1: qsi8_block(R, 1, k, wr, w_stride, x, xq_stride, acc); break;                       \
-    case 2: qsi8_block(R, 2, k, wr, w_stride, x, xq_stride, acc); break;                       \
-    case 3: qsi8_block(R, 3, k, wr, w_stride, x, xq_stride, acc); break;                       \
-    default: qsi8_block(R, 4, k, wr, w_stride, x, xq_stride, acc); break;                      \
+    if (c < k) { /* masked-off weight bytes read as 0x80 = 0 after the bias; x is zero there */
+        for (int r = 0; r < R; r++)
+            wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(tail_mask(k - c), w + r * w_stride + c), bias);
+        for (int t = 0; t < T; t++) {
+            __m512i xv = _mm512_loadu_si512(xq + t * xq_stride + c);
+            for (int r = 0; r < R; r++) acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], wv[r], xv);
+        }
     }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++)
+            y[t * y_stride + r] = epilogue(acc[t][r], x_sum[t], x_scale[t], w_scale[r]);
+}
 
 static void matmul_qsi8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
                                const float *x_scale, const int32_t *x_sum, const int8_t *w,
                                size_t w_stride, const uint16_t *w_scale, float *y,
                                size_t y_stride) {
-    for (size_t c = 0; c < n; c += 4) {
-        const int8_t *wr = w + c * w_stride;
-        size_t R = n - c < 4 ? n - c : 4;
+    /* Few tokens: one row at a time, a single linear stream that the prefetcher follows best.
+     * More tokens: 4 rows x 4 tokens per block, for register reuse. */
+    size_t rows_per_block = m <= 4 ? 1 : 4;
+    for (size_t c = 0; c < n; c += rows_per_block) {
+        size_t R = n - c < rows_per_block ? n - c : rows_per_block;
         for (size_t i = 0; i < m; i += 4) {
-            __m512i acc[4][4];
-            const int8_t *x = xq + i * xq_stride;
             size_t T = m - i < 4 ? m - i : 4;
+#define QSI8_CALL(R, T) qsi8_block(R, T, k, w + c * w_stride, w_stride, xq + i * xq_stride, \
+                                   xq_stride, x_scale + i, x_sum + i, w_scale + c,            \
+                                   y + i * y_stride + c, y_stride)
+#define QSI8_CALL_T(R)                                                                         \
+    switch (T) {                                                                               \
+    case 1: QSI8_CALL(R, 1); break;                                                            \
+    case 2: QSI8_CALL(R, 2); break;                                                            \
+    case 3: QSI8_CALL(R, 3); break;                                                            \
+    default: QSI8_CALL(R, 4); break;                                                           \
+    }
             switch (R) {
-            case 1: QSI8_BLOCK_T(1, T) break;
-            case 2: QSI8_BLOCK_T(2, T) break;
-            case 3: QSI8_BLOCK_T(3, T) break;
-            default: QSI8_BLOCK_T(4, T) break;
+            case 1: QSI8_CALL_T(1) break;
+            case 2: QSI8_CALL_T(2) break;
+            case 3: QSI8_CALL_T(3) break;
+            default: QSI8_CALL_T(4) break;
             }
-            for (size_t t = 0; t < T; t++)
-                for (size_t r = 0; r < R; r++)
-                    y[(i + t) * y_stride + c + r] =
-                        epilogue(acc[t][r], x_sum[i + t], x_scale[i + t], w_scale[c + r]);
+#undef QSI8_CALL_T
+#undef QSI8_CALL
         }
     }
 }

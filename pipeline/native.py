@@ -1,0 +1,326 @@
+"""Python bindings of the S3D8 kernel library (``native/``, built by ``native/build.py``).
+
+Tensors go to C without copies (CPU, contiguous, the documented dtypes; anything else is a
+``ValueError`` that says what was expected). Results are bit-identical to the Python reference
+(``pipeline.formats.s3d8``, ``pipeline.quant``) for every variant and any thread count.
+
+Variants: ``available_variants()`` lists those this build and CPU can run, ``variant()`` the one
+used by default (the fastest, or ``S3D8_VARIANT`` from the environment). Every function takes
+``variant=`` to force one.
+
+Products (``x`` float32 ``[m, k]`` quantised per token inside, exactly as
+``pipeline.quant.int8_activations``; output float32 ``[m, n]``):
+
+- ``s3d8_matmul``: S3D8 weights. Small m: one fused decode + dot-product kernel that streams the
+  packed bytes once. Large m: the weights are decoded to INT8 a tile at a time (a tile stays in
+  cache) and each tile goes to an INT8 GEMM: torch's ``_int_mm`` (oneDNN, AMX where present) on
+  x86, or the variant's own kernel (NEON ``smmla``) elsewhere.
+- ``int8_matmul``: per-channel INT8 weights ``[n, k]``, same activation handling (the baseline).
+- ``bf16_matmul``: bfloat16 weights, float32 arithmetic (the baseline; not bit-exact across variants).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+try:
+    from pipeline._s3d8_native import ffi, lib
+except ImportError as exc:  # pragma: no cover - only without a build
+    raise ImportError("pipeline._s3d8_native is not built: run `.venv/bin/python native/build.py` "
+                      "(./setup.sh does it)") from exc
+
+GROUP = 3
+TABLE_SHAPE = (32, 3)
+FUSED_MAX_M = 16          # above this, decode tiles and use an INT8 GEMM
+TILE_GROUPS = 128         # groups of 3 channels decoded per tile: 384 rows x k int8
+PATHS = ("fused", "tiled", "torch")
+
+
+def _pad(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def available_variants() -> list[str]:
+    """Variants compiled into this build that this CPU can run, slowest first."""
+    return [ffi.string(lib.s3d8_variant_get(i).name).decode()
+            for i in range(lib.s3d8_variant_count()) if lib.s3d8_variant_supported(i)]
+
+
+def compiled_variants() -> list[str]:
+    return [ffi.string(lib.s3d8_variant_get(i).name).decode() for i in range(lib.s3d8_variant_count())]
+
+
+def _variant_index(name: str | None) -> int:
+    if name is None:
+        index = lib.s3d8_variant_default()
+        if index < 0:
+            forced = os.environ.get("S3D8_VARIANT")
+            raise ValueError(f"S3D8_VARIANT={forced!r} is not available here; available: "
+                             f"{available_variants()} (compiled: {compiled_variants()})")
+        return index
+    index = lib.s3d8_variant_find(name.encode())
+    if index < 0 or not lib.s3d8_variant_supported(index):
+        raise ValueError(f"variant {name!r} is not available here; available: {available_variants()} "
+                         f"(compiled: {compiled_variants()})")
+    return index
+
+
+def variant() -> str:
+    """The variant used when none is given: ``S3D8_VARIANT`` if set, else the fastest available."""
+    return ffi.string(lib.s3d8_variant_get(_variant_index(None)).name).decode()
+
+
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        return torch.get_num_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads: expected a positive integer, got {threads!r}")
+    return threads
+
+
+def _check(t, what: str, dtype: torch.dtype, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{what}: expected dtype {dtype}, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: expected a CPU tensor, got device {t.device}")
+    if dims is not None and t.dim() not in dims:
+        raise ValueError(f"{what}: expected {' or '.join(map(str, dims))} dimensions, got shape {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
+    return t
+
+
+def _ptr(t: torch.Tensor, ctype: str):
+    return ffi.cast(ctype, t.data_ptr())
+
+
+def _check_shape(shape) -> tuple[int, int]:
+    try:
+        d_out, d_in = (int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"shape: expected (d_out, d_in), got {shape!r}") from None
+    if d_out < 1 or d_in < 1:
+        raise ValueError(f"shape: expected positive sizes, got {tuple(shape)}")
+    return d_out, d_in
+
+
+def _check_s3d8(packed, table, shape) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    d_out, d_in = _check_shape(shape)
+    packed = _check(packed, "packed", torch.uint8, (1, 2))
+    rows, cols = -(-d_out // GROUP), _pad(d_in, 16)
+    if packed.numel() != rows * cols or (packed.dim() == 2 and tuple(packed.shape) != (rows, cols)):
+        raise ValueError(f"packed: a weight of shape ({d_out}, {d_in}) needs [{rows}, {cols}] = "
+                         f"{rows * cols} bytes, got shape {list(packed.shape)}")
+    table = _check(table, "table", torch.int8)
+    if tuple(table.shape) != TABLE_SHAPE:
+        raise ValueError(f"table: expected shape [32, 3], got {list(table.shape)}")
+    return d_out, d_in, packed, table
+
+
+def _check_scale(scale, d_out: int) -> torch.Tensor:
+    scale = _check(scale, "scale", torch.bfloat16)
+    if scale.numel() != d_out:
+        raise ValueError(f"scale: expected {d_out} channel scales (bf16 [{d_out}, 1]), got shape {list(scale.shape)}")
+    return scale
+
+
+def _check_x(x, d_in: int) -> torch.Tensor:
+    x = _check(x, "x", torch.float32)
+    if x.dim() < 1 or x.shape[-1] != d_in:
+        raise ValueError(f"x: expected float32 [m, {d_in}], got shape {list(x.shape)}")
+    return x
+
+
+def _quantize(x2: torch.Tensor, v: int, threads: int):
+    """Per-token INT8 activations in the kernels' layout: rows padded with zeros to a multiple of 64."""
+    m, k = x2.shape
+    stride = _pad(k, 64)
+    xq = torch.empty(m, stride, dtype=torch.int8)
+    xs = torch.empty(m, dtype=torch.float32)
+    xsum = torch.empty(m, dtype=torch.int32)
+    lib.s3d8_quant(v, threads, m, k, _ptr(x2, "float *"), k, _ptr(xq, "int8_t *"), stride,
+                   _ptr(xs, "float *"), _ptr(xsum, "int32_t *"))
+    return xq, xs, xsum
+
+
+def quantize_activations(x: torch.Tensor, variant: str | None = None,
+                         threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native ``pipeline.quant.int8_activations`` for float32 ``[m, k]``: ``(int8 [m, k], bf16 [m, 1])``."""
+    x = _check(x, "x", torch.float32, (2,))
+    xq, xs, _ = _quantize(x, _variant_index(variant), _threads(threads))
+    return xq[:, :x.shape[1]].contiguous(), xs.to(torch.bfloat16).reshape(-1, 1)
+
+
+def s3d8_decode_int8(packed: torch.Tensor, table: torch.Tensor, shape, variant: str | None = None,
+                     threads: int | None = None) -> torch.Tensor:
+    """Decode SPEC-layout S3D8 bytes to the INT8 compute format ``int8 [d_out, d_in]``."""
+    d_out, d_in, packed, table = _check_s3d8(packed, table, shape)
+    out = torch.empty(d_out, d_in, dtype=torch.int8)
+    lib.s3d8_decode(_variant_index(variant), _threads(threads), d_out, d_in,
+                    _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(out, "int8_t *"), d_in)
+    return out
+
+
+def s3d8_encode(weight: torch.Tensor, table: torch.Tensor,
+                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``weight [d_out, d_in]`` (float32, or bf16/fp16 converted exactly) like
+    ``pipeline.formats.s3d8.encode``: ``(packed uint8 [ceil(d_out/3), pad16(d_in)], scale bf16 [d_out, 1])``."""
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise ValueError(f"weight: expected a floating-point torch.Tensor, got "
+                         f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if weight.dtype in (torch.bfloat16, torch.float16):
+        weight = weight.float()
+    weight = _check(weight.detach(), "weight", torch.float32, (2,))
+    d_out, d_in = _check_shape(weight.shape)
+    table = _check(table, "table", torch.int8)
+    if tuple(table.shape) != TABLE_SHAPE:
+        raise ValueError(f"table: expected shape [32, 3], got {list(table.shape)}")
+    if int(table.min()) < 0:
+        raise ValueError("table: centroid values must lie in [0, 127]")
+    packed = torch.empty(-(-d_out // GROUP), _pad(d_in, 16), dtype=torch.uint8)
+    scale = torch.empty(d_out, 1, dtype=torch.bfloat16)
+    lib.s3d8_encode(_threads(threads), d_out, d_in, _ptr(weight, "float *"), d_in,
+                    _ptr(table, "int8_t *"), _ptr(packed, "uint8_t *"), _ptr(scale, "uint16_t *"))
+    return packed, scale
+
+
+def _choose_path(path: str | None, m: int, v: int) -> str:
+    if path is None:
+        if m <= FUSED_MAX_M:
+            return "fused"
+        return "torch" if platform.machine().lower() in ("x86_64", "amd64") else "tiled"
+    if path not in PATHS:
+        raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
+    return path
+
+
+def _epilogue(acc: torch.Tensor, xs: torch.Tensor, w_scale: torch.Tensor, y: torch.Tensor,
+              threads: int) -> None:
+    lib.s3d8_dequant(threads, acc.shape[0], acc.shape[1], _ptr(acc, "int32_t *"), acc.stride(0),
+                     _ptr(xs, "float *"), _ptr(w_scale, "uint16_t *"), _ptr(y, "float *"), y.stride(0))
+
+
+def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor,
+                shape, variant: str | None = None, threads: int | None = None,
+                path: str | None = None) -> torch.Tensor:
+    """``x @ W.T`` for an S3D8 weight ``W [d_out, d_in]``: float32 ``[m, d_in]`` -> float32 ``[m, d_out]``.
+
+    ``y = ((float)int32_dot(int8_x, int8_w) * x_scale[m]) * w_scale[n]``. Leading dimensions of
+    ``x`` beyond the last are flattened as tokens. ``path`` forces ``"fused"``, ``"tiled"`` (decode
+    tiles + the variant's INT8 kernel) or ``"torch"`` (decode tiles + ``torch._int_mm``).
+    """
+    d_out, d_in, packed, table = _check_s3d8(packed, table, shape)
+    scale = _check_scale(scale, d_out)
+    x = _check_x(x, d_in)
+    v, t = _variant_index(variant), _threads(threads)
+    x2 = x.reshape(-1, d_in)
+    m = x2.shape[0]
+    y = torch.empty(m, d_out, dtype=torch.float32)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], d_out)
+    xq, xs, xsum = _quantize(x2, v, t)
+    chosen = _choose_path(path, m, v)
+    p_packed, p_table, p_scale = _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(scale, "uint16_t *")
+    if chosen == "fused":
+        lib.s3d8_matmul_s3d8(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
+                             _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), p_packed, p_table,
+                             p_scale, _ptr(y, "float *"), d_out)
+    elif chosen == "tiled":
+        work = torch.empty(t * 3 * TILE_GROUPS, xq.stride(0), dtype=torch.int8)
+        lib.s3d8_matmul_s3d8_tiled(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
+                                   _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), p_packed, p_table,
+                                   p_scale, _ptr(y, "float *"), d_out, _ptr(work, "int8_t *"),
+                                   TILE_GROUPS)
+    else:
+        xk = xq[:, :d_in]
+        rows = GROUP * TILE_GROUPS
+        tile = torch.empty(rows, d_in, dtype=torch.int8)
+        acc = torch.empty(m, rows, dtype=torch.int32)
+        k16 = _pad(d_in, 16)
+        for r0 in range(0, d_out, rows):
+            n = min(rows, d_out - r0)
+            lib.s3d8_decode(v, t, n, d_in, p_packed + (r0 // GROUP) * k16, p_table,
+                            _ptr(tile, "int8_t *"), d_in)
+            a = acc if n == rows else torch.empty(m, n, dtype=torch.int32)
+            torch._int_mm(xk, tile[:n].t(), out=a)
+            lib.s3d8_dequant(t, m, n, _ptr(a, "int32_t *"), a.stride(0), _ptr(xs, "float *"),
+                             p_scale + r0, _ptr(y, "float *") + r0, d_out)
+    return y.reshape(*x.shape[:-1], d_out)
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                variant: str | None = None, threads: int | None = None,
+                path: str | None = None) -> torch.Tensor:
+    """``x @ W.T`` for a per-channel INT8 weight ``int8 [n, k]`` (values in [-127, 127]) with bf16
+    channel scales: the same activation handling and epilogue as ``s3d8_matmul``. ``path`` is
+    ``"fused"`` (the library's kernel) or ``"torch"`` (``torch._int_mm``); by default fused for small m."""
+    weight = _check(weight, "weight", torch.int8, (2,))
+    d_out, d_in = weight.shape
+    scale = _check_scale(scale, d_out)
+    x = _check_x(x, d_in)
+    v, t = _variant_index(variant), _threads(threads)
+    x2 = x.reshape(-1, d_in)
+    m = x2.shape[0]
+    y = torch.empty(m, d_out, dtype=torch.float32)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], d_out)
+    xq, xs, xsum = _quantize(x2, v, t)
+    chosen = _choose_path(path, m, v)
+    if chosen == "torch":
+        acc = torch._int_mm(xq[:, :d_in], weight.t())
+        _epilogue(acc, xs, scale, y, t)
+    else:  # "fused" and "tiled" are the same kernel for INT8 weights
+        lib.s3d8_matmul_qsi8(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
+                             _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), _ptr(weight, "int8_t *"),
+                             d_in, _ptr(scale, "uint16_t *"), _ptr(y, "float *"), d_out)
+    return y.reshape(*x.shape[:-1], d_out)
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, variant: str | None = None,
+                threads: int | None = None) -> torch.Tensor:
+    """``x @ W.T`` for a bfloat16 weight ``[n, k]`` and float32 ``x``, float32 accumulation (baseline)."""
+    weight = _check(weight, "weight", torch.bfloat16, (2,))
+    d_out, d_in = weight.shape
+    x = _check_x(x, d_in)
+    x2 = x.reshape(-1, d_in)
+    y = torch.empty(x2.shape[0], d_out, dtype=torch.float32)
+    lib.s3d8_matmul_bf16(_variant_index(variant), _threads(threads), x2.shape[0], d_out, d_in,
+                         _ptr(x2, "float *"), d_in, _ptr(weight, "uint16_t *"), d_in,
+                         _ptr(y, "float *"), d_out)
+    return y.reshape(*x.shape[:-1], d_out)
+
+
+def read_bandwidth_probe(buf: torch.Tensor) -> int:
+    """Read every byte of ``buf`` (uint8, contiguous) once; for measuring memory bandwidth."""
+    buf = _check(buf, "buf", torch.uint8)
+    return int(lib.s3d8_read_bandwidth_probe(_ptr(buf, "uint8_t *"), buf.numel()))
+
+
+class S3D8Linear(torch.nn.Module):
+    """Inference-only linear layer over a packed S3D8 weight (float32 in, float32 out), for
+    running an S3D8 model on CPU with these kernels. ``bias`` is optional (float32 [d_out])."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, shape,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        d_out, d_in, packed, table = _check_s3d8(packed, table, shape)
+        self.shape = (d_out, d_in)
+        self.register_buffer("packed", packed.reshape(-(-d_out // GROUP), _pad(d_in, 16)))
+        self.register_buffer("scale", _check_scale(scale, d_out))
+        self.register_buffer("table", table)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = s3d8_matmul(x.float().contiguous(), self.packed, self.scale, self.table, self.shape)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.shape[1]}, d_out={self.shape[0]}, variant={variant()}"
