@@ -9,3 +9,4 @@ fi
 # requirements.lock pins every package (torch==2.13.0 is the CPU wheel; a looser pin pulls CUDA).
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements.lock
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+.venv/bin/python native/build.py   # the S3D8 kernel library: pipeline/_s3d8_native*.so
