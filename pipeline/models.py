@@ -13,6 +13,7 @@ import torch
 
 from pipeline.checkpoint import module_to_checkpoint_names
 from pipeline.qat.api import quantised_modules
+from pipeline.teacher import local_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,18 +24,10 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _check_source(source: str) -> None:
-    path = Path(source)
-    looks_local = source.startswith((".", "/")) or path.exists() or source.startswith("data/")
-    if looks_local and not (path / "config.json").exists():
-        raise FileNotFoundError(f"{source}: no model here (config.json missing); build it with "
-                                f"`dvc repro toy-teacher` or point the parameter at a model directory or hub id")
-
-
 def load_config(source: str):
     from transformers import AutoConfig
 
-    _check_source(source)
+    source = str(local_dir(source))
     return AutoConfig.from_pretrained(source)
 
 
@@ -42,7 +35,7 @@ def load_model(source: str, dtype: torch.dtype = torch.bfloat16):
     """``AutoModelForImageTextToText`` from a directory or hub id, in eval mode."""
     from transformers import AutoModelForImageTextToText
 
-    _check_source(source)
+    source = str(local_dir(source))
     model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype)
     return model.eval()
 
@@ -50,7 +43,7 @@ def load_model(source: str, dtype: torch.dtype = torch.bfloat16):
 def load_processor(source: str):
     from transformers import AutoProcessor
 
-    _check_source(source)
+    source = str(local_dir(source))
     return AutoProcessor.from_pretrained(source)
 
 

@@ -1,0 +1,104 @@
+"""Image pools for prompt sampling: where the teacher's training images come from.
+
+A pool is named by a spec string (the ``sample.images`` parameter):
+
+- ``toy``: procedurally generated toy-world images from the training split only; the held-out scenes
+  the evaluation draws are never produced here.
+- ``folder:PATH``: every image file under a directory (e.g. an ImageNet train folder).
+- ``hf:DATASET[:SPLIT[:COLUMN]]``: an image column of a ``datasets`` data set (a hub id or a local path).
+
+Each image has a reference string that the Parquet shards store, and :func:`load_image` turns a
+reference back into the image, so the shards stay small and the images exact.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from pathlib import Path
+
+from PIL import Image
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".JPEG"}
+
+
+def image_refs(spec: str, n: int, seed: int) -> list[str]:
+    """``n`` image references from the pool ``spec``, drawn with a seeded shuffle (cycling if the pool
+    is smaller than ``n``)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "toy":
+        return [f"toy:{seed}:{i}" for i in range(n)]
+    if kind == "folder":
+        root = Path(rest)
+        if not root.is_dir():
+            raise FileNotFoundError(f"image pool {spec!r}: directory {root} not found")
+        files = sorted(str(p) for p in root.rglob("*") if p.suffix in IMAGE_SUFFIXES)
+        if not files:
+            raise ValueError(f"image pool {spec!r}: no image files under {root}")
+        return [f"file:{f}" for f in _draw(files, n, seed)]
+    if kind == "hf":
+        dataset, split, column = _hf_parts(rest)
+        size = len(_hf_dataset(dataset, split))
+        indices = _draw(list(range(size)), n, seed)
+        return [f"hf:{dataset}:{split}:{column}:{i}" for i in indices]
+    raise ValueError(f"image pool {spec!r}: expected 'toy', 'folder:PATH' or 'hf:DATASET[:SPLIT[:COLUMN]]'")
+
+
+def _draw(items: list, n: int, seed: int) -> list:
+    rng = random.Random(seed)
+    out: list = []
+    while len(out) < n:
+        order = list(items)
+        rng.shuffle(order)
+        out.extend(order[: n - len(out)])
+    return out
+
+
+def _hf_parts(rest: str) -> tuple[str, str, str]:
+    parts = rest.split(":")
+    return parts[0], parts[1] if len(parts) > 1 and parts[1] else "train", parts[2] if len(parts) > 2 else "image"
+
+
+@lru_cache(maxsize=4)
+def _hf_dataset(dataset: str, split: str):
+    import datasets
+
+    path = Path(dataset)
+    try:
+        if path.is_file() or (path.is_dir() and any(path.glob("*.parquet"))):
+            files = str(path) if path.is_file() else str(path / "*.parquet")
+            return datasets.load_dataset("parquet", data_files=files, split="train")
+        return datasets.load_dataset(dataset, split=split)
+    except Exception as e:
+        raise FileNotFoundError(f"image pool 'hf:{dataset}': cannot load split {split!r} ({e}); give a hub id "
+                                f"reachable from here or a local directory / Parquet file") from None
+
+
+def load_image(ref: str) -> Image.Image:
+    """The RGB image behind a reference produced by :func:`image_refs`."""
+    kind, _, rest = ref.partition(":")
+    if kind == "toy":
+        seed, index = (int(v) for v in rest.split(":"))
+        return toy_training_image(seed, index)
+    if kind == "file":
+        try:
+            with Image.open(rest) as im:
+                return im.convert("RGB")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"image {rest}: cannot be read ({e})") from None
+    if kind == "hf":
+        dataset, split, column, index = rest.rsplit(":", 3)
+        row = _hf_dataset(dataset, split)[int(index)]
+        if column not in row:
+            raise ValueError(f"image pool 'hf:{dataset}': no column {column!r} (columns: {sorted(row)})")
+        return row[column].convert("RGB")
+    raise ValueError(f"image reference {ref!r}: unknown kind {kind!r}")
+
+
+def toy_training_image(seed: int, index: int) -> Image.Image:
+    """A toy-world image of any of the four kinds, from the training split (never a held-out scene)."""
+    from pipeline.toy.tasks import TASK_MODULES, sample_scene
+
+    rng = random.Random(f"image-pool/{seed}/{index}")
+    module = rng.choice(list(TASK_MODULES.values()))
+    return module.render(sample_scene(module, rng, "train"))

@@ -1,0 +1,100 @@
+"""Training sequences for distillation: the teacher's prompts and answers, batched for Mllama.
+
+A sequence is the prompt's token ids followed by the teacher's response ids (its end-of-turn token
+included), cut to ``max_seq_len``; the loss mask marks the positions whose *next* token is a response
+token. Batches are right-padded; images are re-created from their references and preprocessed by the
+teacher's own image processor; the cross-attention mask is built the way ``MllamaProcessor`` builds
+it, over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.models.mllama.processing_mllama import (
+    convert_sparse_cross_attention_mask_to_dense,
+    get_cross_attention_token_mask,
+)
+
+from pipeline.images import load_image
+from pipeline.shards import read_shard, shard_paths
+
+COLUMNS = ["index", "image_ref", "prompt_ids", "response_ids"]
+
+
+@dataclass(frozen=True)
+class Example:
+    index: int
+    image_ref: str
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+
+
+def load_examples(directory: str | Path) -> list[Example]:
+    """Every teacher answer in the shards of ``directory``, in prompt order."""
+    examples = []
+    for path in shard_paths(directory):
+        table, _ = read_shard(path, COLUMNS)
+        for row in table.select(COLUMNS).to_pylist():
+            examples.append(Example(row["index"], row["image_ref"], tuple(row["prompt_ids"]), tuple(row["response_ids"])))
+    examples.sort(key=lambda e: e.index)
+    return examples
+
+
+def split_heldout(examples: list[Example], heldout: int) -> tuple[list[Example], list[Example]]:
+    """The last ``heldout`` prompts (by index) are never trained on; evaluation measures KL on them."""
+    if heldout < 0 or heldout >= len(examples):
+        raise ValueError(f"parameter heldout_prompts={heldout}: must be in [0, {len(examples)}) "
+                         f"for {len(examples)} teacher answers")
+    return (examples[:-heldout], examples[-heldout:]) if heldout else (examples, [])
+
+
+def batch_indices(n_examples: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """The examples of optimizer step ``step``: consecutive slices of seeded per-epoch permutations,
+    a pure function of (step, seed) so that a resumed run sees the same data."""
+    out = []
+    position = step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(position, n_examples)
+        order = list(range(n_examples))
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        take = min(batch_size - len(out), n_examples - offset)
+        out.extend(order[offset:offset + take])
+        position += take
+    return out
+
+
+def collate(examples: list[Example], processor, max_seq_len: int) -> dict[str, torch.Tensor]:
+    """Model inputs plus ``loss_mask`` for a list of examples (right padding)."""
+    seqs, masks = [], []
+    for e in examples:
+        if len(e.prompt_ids) >= max_seq_len:
+            raise ValueError(f"prompt {e.index} has {len(e.prompt_ids)} tokens, not below "
+                             f"max_seq_len={max_seq_len}: raise qat.max_seq_len")
+        ids = list(e.prompt_ids + e.response_ids)[:max_seq_len]
+        mask = [0] * len(ids)
+        for pos in range(len(e.prompt_ids) - 1, len(ids) - 1):
+            mask[pos] = 1                       # position pos predicts response token pos + 1
+        seqs.append(ids)
+        masks.append(mask)
+    length = max(len(s) for s in seqs)
+    pad = processor.tokenizer.pad_token_id
+    input_ids = torch.full((len(seqs), length), pad, dtype=torch.long)
+    attention = torch.zeros((len(seqs), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        input_ids[i, :len(s)] = torch.tensor(s)
+        attention[i, :len(s)] = 1
+        loss_mask[i, :len(m)] = torch.tensor(m)
+    images = processor.image_processor(images=[[load_image(e.image_ref)] for e in examples], return_tensors="pt")
+    num_tiles = images.pop("num_tiles")
+    sparse = [get_cross_attention_token_mask(s, processor.image_token_id) for s in seqs]
+    cross = convert_sparse_cross_attention_mask_to_dense(sparse, num_tiles=num_tiles,
+                                                         max_num_tiles=processor.image_processor.max_image_tiles,
+                                                         length=length)
+    return {"input_ids": input_ids, "attention_mask": attention, "cross_attention_mask": torch.from_numpy(cross),
+            "pixel_values": images["pixel_values"], "aspect_ratio_ids": images["aspect_ratio_ids"],
+            "aspect_ratio_mask": images["aspect_ratio_mask"], "loss_mask": loss_mask}

@@ -1,0 +1,64 @@
+"""DVC stage pack-safetensors: pack one format's direct-cast and QAT models into deployable files.
+
+    python stages/pack_safetensors.py --format s3d8
+
+``models/packed/<format>/direct-cast.safetensors`` (the teacher's weights cast straight to the format)
+and ``models/packed/<format>/qat.safetensors`` (the QAT student's fp32 masters), laid out as SPEC
+section 7 (S3D8: readable by the Llama-Mobile reference loader) or our documented scalar layout.
+Streams tensor by tensor; S3D8 uses the native encoder. Sizes and bits per parameter go to
+``reports/pack/<format>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+from pipeline import formats, params
+from pipeline.checkpoint import CheckpointReader
+from pipeline.io import write_json
+from pipeline.models import dtype_of, load_config
+from pipeline.packed import write_packed
+from pipeline.qat.states import load_states
+from pipeline.stage import console, progress, stage_errors, versions
+from pipeline.teacher import TeacherParams, local_dir
+
+
+@dataclass
+class PackParams:
+    dtype: str = "bfloat16"      # of the tensors that are not quantised
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", required=True, help=f"one of {', '.join(formats.QUANTISED)}")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    with stage_errors("pack-safetensors"):
+        fmt = args.format
+        if fmt not in formats.QUANTISED:
+            raise ValueError(f"--format {fmt!r}: expected one of {', '.join(formats.QUANTISED)}")
+        p = params.load(PackParams, "pack", args.params)
+        teacher = params.load(TeacherParams, "teacher", args.params)
+        states = load_states(f"data/centroids/{fmt}.safetensors", fmt)
+        config = load_config(teacher.source).to_dict()
+        report = {"format": fmt, **versions()}
+        for method, source in (("direct-cast", local_dir(teacher.source)), ("qat", f"models/qat/{fmt}")):
+            out = f"models/packed/{fmt}/{method}.safetensors"
+            with progress() as bar:
+                task = bar.add_task(f"pack {fmt} {method}", total=len(states))
+                summary = write_packed(out, CheckpointReader(source), fmt, states, dtype=dtype_of(p.dtype),
+                                       metadata={"config": config, "method": method, "source_model": teacher.source,
+                                                 "teacher": teacher.name, "pack_params": asdict(p), **versions()},
+                                       progress=lambda name: bar.advance(task))
+            summary["size_mb"] = summary["file_bytes"] / 1e6
+            report[method] = summary
+            console.print(f"[green]pack-safetensors[/] {out}: {summary['size_mb']:.2f} MB, "
+                          f"{summary['bits_per_param_nominal']:.3f} bits/param nominal, "
+                          f"{summary['bits_per_param_actual']:.3f} actual")
+        write_json(f"reports/pack/{fmt}.json", report)
+
+
+if __name__ == "__main__":
+    main()
