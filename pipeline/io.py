@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in the target's directory; rename it onto ``path`` on success."""
@@ -23,6 +27,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        if tmp.exists():
+            os.chmod(tmp, 0o666 & ~_UMASK)      # mkstemp creates 0600; give the file normal permissions
         os.replace(tmp, path)
     finally:
         if tmp.exists():

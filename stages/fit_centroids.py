@@ -30,13 +30,15 @@ class FitParams:
     threads: int | None = None
 
 
-def fit_format(fmt_name: str, teacher: TeacherParams, fit: FitParams, out: str, report: str) -> dict:
+def fit_format(fmt_name: str, teacher: TeacherParams, fit: FitParams, out: str, report: str,
+               layers_report: str) -> dict:
     fmt = formats.get(fmt_name)
     source = local_dir(teacher.source)
     names = quantised_weight_names(meta_model(load_config(str(source))))
     reader = CheckpointReader(source)
     states, layers = {}, {}
     total_params = total_bits = total_err = total_energy = 0.0
+    total_zero_rows = 0
     started = time.perf_counter()
     with progress() as bar:
         task = bar.add_task(f"fit {fmt_name}", total=len(names))
@@ -46,16 +48,22 @@ def fit_format(fmt_name: str, teacher: TeacherParams, fit: FitParams, out: str, 
                 state = fmt.fit(weight, seed=fit.seed)
             except ValueError as e:
                 raise ValueError(f"{source}: tensor {saved!r}: {e}") from None
-            err = (fmt.quantize(weight, state) - weight).pow(2).sum().item()
+            sq_err = (fmt.quantize(weight, state) - weight).pow(2)
+            zero_rows = weight.abs().amax(dim=1) == 0
+            # SPEC: an all-zero row gets scale 1, so (in S3D8) it decodes to small integers, not 0.
+            # Report that apart: it is real error, but it would drown the error of every other row.
+            err, zero_err = sq_err[~zero_rows].sum().item(), sq_err[zero_rows].sum().item()
             energy = weight.pow(2).sum().item()
             bpp = fmt.bits_per_param(tuple(weight.shape))
             states[saved.removesuffix(".weight")] = state
             layers[saved] = {"shape": list(weight.shape), "rel_rmse": (err / energy) ** 0.5 if energy else 0.0,
+                             "zero_rows": int(zero_rows.sum()), "zero_rows_sq_error": zero_err,
                              "bits_per_param": bpp}
             total_params += weight.numel()
             total_bits += bpp * weight.numel()
             total_err += err
             total_energy += energy
+            total_zero_rows += int(zero_rows.sum())
             bar.advance(task)
     meta = {"seed": fit.seed, "teacher": teacher.source, **versions()}
     save_states(out, fmt_name, states, meta)
@@ -64,13 +72,14 @@ def fit_format(fmt_name: str, teacher: TeacherParams, fit: FitParams, out: str, 
         "matrices": len(layers),
         "quantised_params": int(total_params),
         "bits_per_param": total_bits / total_params,
-        "rel_rmse": (total_err / total_energy) ** 0.5,
+        "rel_rmse": (total_err / total_energy) ** 0.5,       # over rows that are not all zero
+        "zero_rows": total_zero_rows,
         "seconds": round(time.perf_counter() - started, 2),
         "params": asdict(fit),
         **meta,
-        "layers": layers,
     }
     write_json(report, summary)
+    write_json(layers_report, {"format": fmt_name, "layers": layers})
     console.print(f"[green]fit-centroids[/] {fmt_name}: {len(layers)} matrices, "
                   f"{summary['bits_per_param']:.3f} bits/param, relative RMSE {summary['rel_rmse']:.4f}")
     return summary
@@ -90,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         fit = params.load(FitParams, "fit", args.params)
         set_threads(fit.threads)
         fit_format(args.format, teacher, fit, args.out or f"data/centroids/{args.format}.safetensors",
-                   args.report or f"reports/centroids/{args.format}.json")
+                   args.report or f"reports/centroids/{args.format}.json",
+                   f"reports/centroids/{args.format}_layers.json")
 
 
 if __name__ == "__main__":
