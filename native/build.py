@@ -72,8 +72,8 @@ int s3d8_matmul_s3d8_tiled(int v, int threads, size_t m, size_t n, size_t k, con
                            size_t tile_groups);
 void s3d8_encode(int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
                  const int8_t table[96], uint8_t *packed, uint16_t *scale);
-void s3d8_dequant(int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
-                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
+int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                 const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
 uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n);
 """
 
@@ -110,10 +110,16 @@ def compile_library(cc: list[str], out_dir: Path, extra: list[str]) -> list[Path
     return objects
 
 
-def build_extension() -> Path:
-    """Compile the library and its cffi (API mode) wrapper into pipeline/_s3d8_native*.so."""
+def build_extension(force: bool = False) -> Path:
+    """Compile the library and its cffi (API mode) wrapper into pipeline/_s3d8_native*.so
+    (skipped when it is newer than every source)."""
     import cffi
 
+    existing = sorted((ROOT / "pipeline").glob("_s3d8_native.*.so"))
+    newest_source = max(p.stat().st_mtime for p in [*NATIVE.glob("*.[ch]"), Path(__file__)])
+    if existing and not force and existing[-1].stat().st_mtime > newest_source:
+        print(f"native/build.py: {existing[-1].relative_to(ROOT)} is up to date")
+        return existing[-1]
     cc = host_cc()
     arch, triple = target_of(cc)
     out_dir = BUILD / f"ext-{triple}"
@@ -149,6 +155,7 @@ def build_program(name: str, cc: list[str] | None = None, out: Path | None = Non
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--force", action="store_true", help="rebuild the extension even if up to date")
     sub = parser.add_subparsers(dest="what")
     prog = sub.add_parser("program", help="build a standalone program")
     prog.add_argument("name", choices=PROGRAMS)
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                              args.static, args.sanitize)
         print(f"native/build.py: built {path}")
     else:
-        build_extension()
+        build_extension(force=args.force)
 
 
 if __name__ == "__main__":

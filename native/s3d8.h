@@ -73,6 +73,11 @@ typedef void s3d8_matmul_f32_f32_bf16_fn(size_t m, size_t n, size_t k, const flo
                                          size_t x_stride, const uint16_t *w, size_t w_stride,
                                          float *y, size_t y_stride);
 
+/* Epilogue of an external int32 GEMM: y[i, c] = ((float)acc[i, c] * x_scale[i]) * w_scale[c]. */
+typedef void s3d8_dequant_f32_i32_fn(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                                     const float *x_scale, const uint16_t *w_scale, float *y,
+                                     size_t y_stride);
+
 typedef struct s3d8_variant {
     const char *name;
     s3d8_quant_qsi8dx_f32_fn *quant;
@@ -80,6 +85,7 @@ typedef struct s3d8_variant {
     s3d8_matmul_f32_qsi8dx_s3d8cx_fn *matmul_s3d8;
     s3d8_matmul_f32_qsi8dx_qsi8cx_fn *matmul_qsi8;
     s3d8_matmul_f32_f32_bf16_fn *matmul_bf16;
+    s3d8_dequant_f32_i32_fn *dequant;
 } s3d8_variant;
 
 /* Reference-only kernels. */
@@ -88,10 +94,6 @@ typedef struct s3d8_variant {
 void s3d8_encode_s3d8cx_f32_ref(size_t d_out, size_t d_in, const float *w, size_t w_stride,
                                 const int8_t table[96], const uint16_t *scale, uint8_t *packed,
                                 size_t g0, size_t g1);
-/* y[i, c] = ((float)acc[i, c] * x_scale[i]) * w_scale[c]: the epilogue for an external int32 GEMM. */
-void s3d8_dequant_f32_i32_ref(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
-                              const float *x_scale, const uint16_t *w_scale, float *y,
-                              size_t y_stride);
 
 /* ---- Variants and threaded drivers (s3d8_dispatch.c) ----------------------------------------- */
 
@@ -130,11 +132,11 @@ int s3d8_matmul_s3d8_tiled(int v, int threads, size_t m, size_t n, size_t k, con
 /* Channel scales then encoding, groups split over threads. */
 void s3d8_encode(int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
                  const int8_t table[96], uint8_t *packed, uint16_t *scale);
-void s3d8_dequant(int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
-                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
+int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                 const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
 
-/* Benchmark helper: reads n bytes (64-byte aligned chunks) and returns a checksum, at the speed
- * of the memory system; the bandwidth yardstick for the INT8 GEMV. */
+/* Benchmark helper: reads n bytes in 64-byte chunks (with the kernels' software prefetch) and
+ * returns a checksum, at the speed of the memory system; the bandwidth yardstick for the INT8 GEMV. */
 uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n);
 
 #ifdef __cplusplus

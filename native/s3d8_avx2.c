@@ -222,6 +222,22 @@ static void matmul_bf16_avx2(size_t m, size_t n, size_t k, const float *x, size_
     }
 }
 
+static void dequant_avx2(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                         const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
+    size_t n8 = n / 8 * 8;
+    for (size_t i = 0; i < m; i++) {
+        __m256 xs = _mm256_set1_ps(x_scale[i]);
+        const int32_t *a = acc + i * acc_stride;
+        float *yr = y + i * y_stride;
+        for (size_t c = 0; c < n8; c += 8) {
+            __m256 ws = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w_scale + c))), 16));
+            __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + c)));
+            _mm256_storeu_ps(yr + c, _mm256_mul_ps(_mm256_mul_ps(v, xs), ws));
+        }
+        for (size_t c = n8; c < n; c++) yr[c] = epilogue(a[c], x_scale[i], w_scale[c]);
+    }
+}
+
 const s3d8_variant s3d8_variant_avx2 = {
-    "avx2", quant_avx2, decode_avx2, matmul_s3d8_avx2, matmul_qsi8_avx2, matmul_bf16_avx2,
+    "avx2", quant_avx2, decode_avx2, matmul_s3d8_avx2, matmul_qsi8_avx2, matmul_bf16_avx2, dequant_avx2,
 };

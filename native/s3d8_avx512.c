@@ -18,6 +18,9 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 512 /* distance ahead of the weight stream */
 #endif
+#ifndef S3D8_HINT
+#define S3D8_HINT _MM_HINT_T0
+#endif
 #ifndef QSI8_PF
 #define QSI8_PF 512
 #endif
@@ -113,7 +116,7 @@ static inline __attribute__((always_inline)) void s3d8_group_tokens(
         for (int j = 0; j < 3; j++) acc[t][j] = _mm512_setzero_si512();
     size_t c = 0;
     for (; c + 64 <= k16; c += 64) {
-        _mm_prefetch((const char *)row + c + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)row + c + PREFETCH_BYTES, S3D8_HINT);
         decode64(_mm512_loadu_si512(row + c), l0, l1, l2, w);
         for (int t = 0; t < T; t++) {
             __m512i xv = _mm512_loadu_si512(xq + t * xq_stride + c);
@@ -249,6 +252,21 @@ static void matmul_bf16_avx512(size_t m, size_t n, size_t k, const float *x, siz
     }
 }
 
+static void dequant_avx512(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                           const float *x_scale, const uint16_t *w_scale, float *y,
+                           size_t y_stride) {
+    for (size_t i = 0; i < m; i++) {
+        __m512 xs = _mm512_set1_ps(x_scale[i]);
+        for (size_t c = 0; c < n; c += 16) {
+            __mmask16 mk = (__mmask16)tail_mask(n - c < 16 ? n - c : 16);
+            __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, w_scale + c)), 16));
+            __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mk, acc + i * acc_stride + c));
+            _mm512_mask_storeu_ps(y + i * y_stride + c, mk, _mm512_mul_ps(_mm512_mul_ps(a, xs), ws));
+        }
+    }
+}
+
 const s3d8_variant s3d8_variant_avx512 = {
     "avx512", quant_avx512, decode_avx512, matmul_s3d8_avx512, matmul_qsi8_avx512, matmul_bf16_avx512,
+    dequant_avx512,
 };

@@ -274,21 +274,24 @@ void s3d8_encode(int threads, size_t d_out, size_t d_in, const float *w, size_t 
 
 static void dequant_rows(const void *p, int part, size_t b, size_t e) {
     const job *j = p;
-    s3d8_dequant_f32_i32_ref(e - b, j->n, (const int32_t *)j->w + b * j->w_stride, j->w_stride,
-                             j->x_scale + b, j->w_scale, (float *)j->out + b * j->out_stride,
-                             j->out_stride);
+    j->v->dequant(e - b, j->n, (const int32_t *)j->w + b * j->w_stride, j->w_stride, j->x_scale + b,
+                  j->w_scale, (float *)j->out + b * j->out_stride, j->out_stride);
 }
 
-void s3d8_dequant(int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
-                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
-    job j = {.m = m, .n = n, .w = acc, .w_stride = acc_stride, .x_scale = x_scale,
-             .w_scale = w_scale, .out = y, .out_stride = y_stride};
+int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                 const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
+    job j = {.v = variant_or_null(v), .m = m, .n = n, .w = acc, .w_stride = acc_stride,
+             .x_scale = x_scale, .w_scale = w_scale, .out = y, .out_stride = y_stride};
+    if (!j.v) return -1;
     parallel_for(threads, m, dequant_rows, &j);
+    return 0;
 }
 
 uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n) {
     uint64_t acc[8] = {0};
     for (size_t i = 0; i + 64 <= n; i += 64) {
+        __builtin_prefetch(buf + i + 512, 0, 2); /* as the kernels do: one core alone does not
+                                                    keep enough DRAM reads in flight without it */
         uint64_t v[8];
         memcpy(v, buf + i, 64);
         for (int l = 0; l < 8; l++) acc[l] += v[l];

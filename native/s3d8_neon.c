@@ -220,10 +220,26 @@ static void matmul_bf16_neon(size_t m, size_t n, size_t k, const float *x, size_
     }
 }
 
+static void dequant_neon(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+                         const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
+    size_t n4 = n / 4 * 4;
+    for (size_t i = 0; i < m; i++) {
+        float32x4_t xs = vdupq_n_f32(x_scale[i]);
+        const int32_t *a = acc + i * acc_stride;
+        float *yr = y + i * y_stride;
+        for (size_t c = 0; c < n4; c += 4) {
+            float32x4_t ws = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(w_scale + c), 16));
+            vst1q_f32(yr + c, vmulq_f32(vmulq_f32(vcvtq_f32_s32(vld1q_s32(a + c)), xs), ws));
+        }
+        for (size_t c = n4; c < n; c++) yr[c] = epilogue(a[c], x_scale[i], w_scale[c]);
+    }
+}
+
 const s3d8_variant s3d8_variant_neon = {
-    "neon", quant_neon, decode_neon, matmul_s3d8_neon, matmul_qsi8_neon, matmul_bf16_neon,
+    "neon", quant_neon, decode_neon, matmul_s3d8_neon, matmul_qsi8_neon, matmul_bf16_neon, dequant_neon,
 };
 
 const s3d8_variant s3d8_variant_neon_i8mm = {
     "neon_i8mm", quant_neon, decode_neon, matmul_s3d8_neon, matmul_qsi8_neon_i8mm, matmul_bf16_neon,
+    dequant_neon,
 };

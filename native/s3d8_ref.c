@@ -199,7 +199,7 @@ void s3d8_encode_s3d8cx_f32_ref(size_t d_out, size_t d_in, const float *w, size_
     }
 }
 
-void s3d8_dequant_f32_i32_ref(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
+static void dequant_ref(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                               const float *x_scale, const uint16_t *w_scale, float *y,
                               size_t y_stride) {
     for (size_t i = 0; i < m; i++)
@@ -208,5 +208,5 @@ void s3d8_dequant_f32_i32_ref(size_t m, size_t n, const int32_t *acc, size_t acc
 }
 
 const s3d8_variant s3d8_variant_ref = {
-    "scalar", quant_ref, decode_ref, matmul_s3d8_ref, matmul_qsi8_ref, matmul_bf16_ref,
+    "scalar", quant_ref, decode_ref, matmul_s3d8_ref, matmul_qsi8_ref, matmul_bf16_ref, dequant_ref,
 };

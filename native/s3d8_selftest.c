@@ -101,6 +101,13 @@ static void test_shape(int v, size_t m, size_t n, size_t k) {
         s3d8_matmul_qsi8(v, threads, m, n, k, xq_ref, ls, xs_ref, xsum_ref, w8, k, w_scale, y, n);
         check(!memcmp(y, y_ref, m * n * sizeof(float)), name, "matmul_qsi8", m, n, k, threads);
 
+        int32_t *acc = xmalloc(m * n * sizeof(int32_t));
+        for (size_t i = 0; i < m * n; i++) acc[i] = (int32_t)(next_u32() >> 1) - (1 << 30);
+        s3d8_dequant(ref, 1, m, n, acc, n, xs_ref, w_scale, y_ref, n);
+        s3d8_dequant(v, threads, m, n, acc, n, xs_ref, w_scale, y, n);
+        check(!memcmp(y, y_ref, m * n * sizeof(float)), name, "dequant", m, n, k, threads);
+        free(acc);
+
         s3d8_matmul_bf16(ref, 1, m, n, k, x, k, w_bf16, k, y_ref, n);
         s3d8_matmul_bf16(v, threads, m, n, k, x, k, w_bf16, k, y, n);
         int close = 1;

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 
 import torch
 
@@ -34,9 +35,42 @@ except ImportError as exc:  # pragma: no cover - only without a build
 
 GROUP = 3
 TABLE_SHAPE = (32, 3)
-FUSED_MAX_M = 16          # above this, decode tiles and use an INT8 GEMM
-TILE_GROUPS = 128         # groups of 3 channels decoded per tile: 384 rows x k int8
 PATHS = ("fused", "tiled", "torch")
+# Path choice (measured by the arm-bench stage, see reports/bench.md): the fused kernel streams the
+# packed bytes once and wins while the product is memory-bound; above FUSED_MAX_M tokens the weights
+# are decoded to INT8 a tile at a time. The library's own INT8 kernel beats torch's oneDNN GEMM up to
+# a few hundred tokens on AVX-512 without AMX; beyond TORCH_MIN_M (or at once where AMX exists)
+# torch._int_mm is faster.
+FUSED_MAX_M = 16
+TORCH_MIN_M = 512
+TILE_GROUPS = 128                 # tiled path: 384 channels per tile and thread (stays in L2)
+TORCH_TILE_BYTES = 32 << 20       # torch path: INT8 bytes decoded per torch._int_mm call
+
+_workspace = threading.local()
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reusable buffer per thread (fresh allocations of many MiB cost page faults on every call)."""
+    buf = getattr(_workspace, name, None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = torch.empty(max(numel, 1), dtype=dtype)
+        setattr(_workspace, name, buf)
+    return buf[:numel]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_AMX = _X86 and "amx_int8" in _cpu_flags()
 
 
 def _pad(value: int, multiple: int) -> int:
@@ -136,13 +170,16 @@ def _check_x(x, d_in: int) -> torch.Tensor:
     return x
 
 
-def _quantize(x2: torch.Tensor, v: int, threads: int):
+def _quantize(x2: torch.Tensor, v: int, threads: int, scratch: bool = True):
     """Per-token INT8 activations in the kernels' layout: rows padded with zeros to a multiple of 64."""
     m, k = x2.shape
     stride = _pad(k, 64)
-    xq = torch.empty(m, stride, dtype=torch.int8)
-    xs = torch.empty(m, dtype=torch.float32)
-    xsum = torch.empty(m, dtype=torch.int32)
+    if scratch:
+        xq = _scratch("xq", m * stride, torch.int8).view(m, stride)
+        xs, xsum = _scratch("xs", m, torch.float32), _scratch("xsum", m, torch.int32)
+    else:
+        xq = torch.empty(m, stride, dtype=torch.int8)
+        xs, xsum = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.int32)
     lib.s3d8_quant(v, threads, m, k, _ptr(x2, "float *"), k, _ptr(xq, "int8_t *"), stride,
                    _ptr(xs, "float *"), _ptr(xsum, "int32_t *"))
     return xq, xs, xsum
@@ -152,15 +189,19 @@ def quantize_activations(x: torch.Tensor, variant: str | None = None,
                          threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Native ``pipeline.quant.int8_activations`` for float32 ``[m, k]``: ``(int8 [m, k], bf16 [m, 1])``."""
     x = _check(x, "x", torch.float32, (2,))
-    xq, xs, _ = _quantize(x, _variant_index(variant), _threads(threads))
+    xq, xs, _ = _quantize(x, _variant_index(variant), _threads(threads), scratch=False)
     return xq[:, :x.shape[1]].contiguous(), xs.to(torch.bfloat16).reshape(-1, 1)
 
 
 def s3d8_decode_int8(packed: torch.Tensor, table: torch.Tensor, shape, variant: str | None = None,
-                     threads: int | None = None) -> torch.Tensor:
-    """Decode SPEC-layout S3D8 bytes to the INT8 compute format ``int8 [d_out, d_in]``."""
+                     threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode SPEC-layout S3D8 bytes to the INT8 compute format ``int8 [d_out, d_in]`` (into ``out``
+    if given)."""
     d_out, d_in, packed, table = _check_s3d8(packed, table, shape)
-    out = torch.empty(d_out, d_in, dtype=torch.int8)
+    if out is None:
+        out = torch.empty(d_out, d_in, dtype=torch.int8)
+    elif _check(out, "out", torch.int8, (2,)).shape != (d_out, d_in):
+        raise ValueError(f"out: expected int8 [{d_out}, {d_in}], got shape {list(out.shape)}")
     lib.s3d8_decode(_variant_index(variant), _threads(threads), d_out, d_in,
                     _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(out, "int8_t *"), d_in)
     return out
@@ -189,20 +230,24 @@ def s3d8_encode(weight: torch.Tensor, table: torch.Tensor,
     return packed, scale
 
 
-def _choose_path(path: str | None, m: int, v: int) -> str:
+def _choose_path(path: str | None, m: int) -> str:
     if path is None:
         if m <= FUSED_MAX_M:
             return "fused"
-        return "torch" if platform.machine().lower() in ("x86_64", "amd64") else "tiled"
+        return "torch" if _X86 and (_AMX or m >= TORCH_MIN_M) else "tiled"
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
     return path
 
 
-def _epilogue(acc: torch.Tensor, xs: torch.Tensor, w_scale: torch.Tensor, y: torch.Tensor,
-              threads: int) -> None:
-    lib.s3d8_dequant(threads, acc.shape[0], acc.shape[1], _ptr(acc, "int32_t *"), acc.stride(0),
-                     _ptr(xs, "float *"), _ptr(w_scale, "uint16_t *"), _ptr(y, "float *"), y.stride(0))
+def _int_mm_epilogue(xq: torch.Tensor, w: torch.Tensor, xs: torch.Tensor, w_scale, y: torch.Tensor,
+                     v: int, threads: int) -> None:
+    """``y = ((float)(xq @ w.T) * xs) * w_scale`` with torch's INT8 GEMM; ``y`` may be a column slice."""
+    m, n = xq.shape[0], w.shape[0]
+    acc = _scratch("acc", m * n, torch.int32).view(m, n)
+    torch._int_mm(xq, w.t(), out=acc)
+    lib.s3d8_dequant(v, threads, m, n, _ptr(acc, "int32_t *"), n, _ptr(xs, "float *"), w_scale,
+                     _ptr(y, "float *"), y.stride(0))
 
 
 def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor,
@@ -224,32 +269,27 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
     xq, xs, xsum = _quantize(x2, v, t)
-    chosen = _choose_path(path, m, v)
+    chosen = _choose_path(path, m)
     p_packed, p_table, p_scale = _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(scale, "uint16_t *")
     if chosen == "fused":
         lib.s3d8_matmul_s3d8(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
                              _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), p_packed, p_table,
                              p_scale, _ptr(y, "float *"), d_out)
     elif chosen == "tiled":
-        work = torch.empty(t * 3 * TILE_GROUPS, xq.stride(0), dtype=torch.int8)
+        work = _scratch("tiles", t * 3 * TILE_GROUPS * xq.stride(0), torch.int8)
         lib.s3d8_matmul_s3d8_tiled(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
                                    _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), p_packed, p_table,
                                    p_scale, _ptr(y, "float *"), d_out, _ptr(work, "int8_t *"),
                                    TILE_GROUPS)
     else:
-        xk = xq[:, :d_in]
-        rows = GROUP * TILE_GROUPS
-        tile = torch.empty(rows, d_in, dtype=torch.int8)
-        acc = torch.empty(m, rows, dtype=torch.int32)
+        rows = min(_pad(d_out, GROUP), max(GROUP * TILE_GROUPS, TORCH_TILE_BYTES // d_in // GROUP * GROUP))
+        tile = _scratch("decoded", rows * d_in, torch.int8).view(rows, d_in)
         k16 = _pad(d_in, 16)
         for r0 in range(0, d_out, rows):
             n = min(rows, d_out - r0)
             lib.s3d8_decode(v, t, n, d_in, p_packed + (r0 // GROUP) * k16, p_table,
                             _ptr(tile, "int8_t *"), d_in)
-            a = acc if n == rows else torch.empty(m, n, dtype=torch.int32)
-            torch._int_mm(xk, tile[:n].t(), out=a)
-            lib.s3d8_dequant(t, m, n, _ptr(a, "int32_t *"), a.stride(0), _ptr(xs, "float *"),
-                             p_scale + r0, _ptr(y, "float *") + r0, d_out)
+            _int_mm_epilogue(xq[:, :d_in], tile[:n], xs, p_scale + r0, y[:, r0:], v, t)
     return y.reshape(*x.shape[:-1], d_out)
 
 
@@ -270,10 +310,8 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
     xq, xs, xsum = _quantize(x2, v, t)
-    chosen = _choose_path(path, m, v)
-    if chosen == "torch":
-        acc = torch._int_mm(xq[:, :d_in], weight.t())
-        _epilogue(acc, xs, scale, y, t)
+    if _choose_path(path, m) == "torch":
+        _int_mm_epilogue(xq[:, :d_in], weight, xs, _ptr(scale, "uint16_t *"), y, v, t)
     else:  # "fused" and "tiled" are the same kernel for INT8 weights
         lib.s3d8_matmul_qsi8(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
                              _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), _ptr(weight, "int8_t *"),
