@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         state_file = Path(f"data/centroids/{args.format}.safetensors")
         states = load_states(state_file, args.format)
         train_set, _ = split_heldout(load_examples(args.teacher_data), int(heldout))
-        fp = fingerprint(asdict(p) | {"threads": None}, args.format, file_hash(state_file),
+        fp = fingerprint(asdict(p) | {"threads": None, "checkpoint_every": None}, args.format, file_hash(state_file),
                          [file_hash(s) for s in shard_paths(args.teacher_data)], heldout,
                          file_hash(local_dir(teacher.source) / "config.json"))
         summary = train(args.format, states, teacher.source, teacher.dtype, train_set, p,

@@ -2,7 +2,7 @@
 
     python stages/sample_prompts.py
 
-Writes Parquet shards ``data/prompts/sampled/shard-NNNNN.parquet``: image reference, the rendered
+Writes Parquet shards ``data/sampled/shard-NNNNN.parquet``: image reference, the rendered
 prompt, its template kind, inner prompt and instruction parts, and the per-prompt seed.
 """
 
@@ -82,7 +82,7 @@ def sample_prompts(p: SampleParams, teacher: TeacherParams, out_dir: str) -> dic
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--out", default="data/prompts/sampled")
+    parser.add_argument("--out", default="data/sampled")
     parser.add_argument("--report", default="reports/sample_prompts.json")
     args = parser.parse_args(argv)
     with stage_errors("sample-prompts"):

@@ -143,7 +143,7 @@ def run(p: GenerateParams, teacher: TeacherParams, in_dir: str, out_dir: str, re
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--prompts", default="data/prompts/sampled")
+    parser.add_argument("--prompts", default="data/sampled")
     parser.add_argument("--out", default="data/teacher")
     parser.add_argument("--report", default="reports/teacher_generate.json")
     args = parser.parse_args(argv)

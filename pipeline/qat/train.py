@@ -54,16 +54,22 @@ def average_bits(model, fmt: str) -> float:
     return sum(f.bits_per_param(s) * n for s, n in sizes) / sum(n for _, n in sizes)
 
 
-def check(p: QATParams, n_train: int, processes: int) -> int:
+def check(p: QATParams, examples: list[Example], processes: int) -> int:
     """Validate parameters against each other and the data; returns the per-process micro-batch."""
     if p.steps < 1 or p.batch_size < 1 or p.grad_accum < 1 or p.checkpoint_every < 1:
         raise ValueError("parameters qat.steps, qat.batch_size, qat.grad_accum, qat.checkpoint_every must be positive")
     if p.batch_size % (p.grad_accum * processes):
         raise ValueError(f"parameter qat.batch_size={p.batch_size} must be a multiple of qat.grad_accum "
                          f"({p.grad_accum}) x processes ({processes})")
+    n_train = len(examples)
     if p.batch_size > n_train:
         raise ValueError(f"parameter qat.batch_size={p.batch_size} exceeds the {n_train} training sequences "
                          f"(raise sample.n_prompts or lower the batch)")
+    too_long = [e for e in examples if len(e.prompt_ids) >= p.max_seq_len]
+    if too_long:
+        longest = max(len(e.prompt_ids) for e in too_long)
+        raise ValueError(f"parameter qat.max_seq_len={p.max_seq_len}: {len(too_long)} prompts leave no room for "
+                         f"a response (the longest has {longest} tokens); raise it")
     if len(p.betas) != 2:
         raise ValueError(f"parameter qat.betas: expected two values, got {p.betas}")
     return p.batch_size // (p.grad_accum * processes)
@@ -75,7 +81,7 @@ def train(fmt: str, states: dict, teacher_source: str, teacher_dtype: str, examp
     from dvclive import Live
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    micro = check(p, len(examples), accelerator.num_processes)
+    micro = check(p, examples, accelerator.num_processes)
     torch.manual_seed(p.seed)
     processor = load_processor(teacher_source)
     teacher = load_model(teacher_source, dtype_of(teacher_dtype)).to(accelerator.device)

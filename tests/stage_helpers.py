@@ -1,0 +1,76 @@
+"""A tiny teacher and a scratch working directory for running the stage scripts as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_tiny_teacher(path: Path) -> Path:
+    """An untrained, very small toy-world Mllama with the toy processor, saved in bf16."""
+    import torch
+    from transformers import GenerationConfig
+
+    from pipeline.toy.model import ModelSize, build_model, tiny_config
+    from pipeline.toy.processor import build_processor, text_vocab_size
+    from pipeline.toy.tasks import text_corpus
+
+    processor = build_processor(text_corpus(20))
+    size = ModelSize(vision_hidden=32, vision_layers=2, vision_global_layers=1, vision_heads=2,
+                     vision_intermediate=64, vision_intermediate_layers=[0, 1], text_hidden=64, text_layers=3,
+                     cross_attention_layers=[1], text_heads=2, text_kv_heads=1, text_intermediate=128)
+    model = build_model(tiny_config(size, text_vocab_size(processor)), seed=0).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=[1, 8, 9], pad_token_id=4, bos_token_id=0)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def tiny_params(teacher: Path, **overrides) -> dict:
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    doc["teacher"]["source"] = str(teacher)
+    doc["formats"] = ["s3d8"]
+    doc["heldout_prompts"] = 4
+    doc["fit"]["threads"] = 1
+    doc["sample"].update(n_prompts=24, shard_size=8)
+    doc["generate"].update(batch_size=8, max_new_tokens=6, threads=1)
+    doc["qat"].update(steps=4, batch_size=4, checkpoint_every=2, max_seq_len=96, threads=1, lr=1e-3)
+    doc["eval"].update(n=4, batch_size=8, kl_batch_size=4, max_seq_len=96, threads=1, blind_baseline=False)
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        if name:
+            doc[section][name] = value
+        else:
+            doc[section] = value
+    return doc
+
+
+def workdir(path: Path, teacher: Path, **overrides) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "data" / "prompts").mkdir(parents=True, exist_ok=True)
+    pool = path / "data" / "prompts" / "prompt_pool.yaml"
+    if not pool.exists():
+        pool.symlink_to(REPO / "data" / "prompts" / "prompt_pool.yaml")
+    (path / "params.yaml").write_text(yaml.safe_dump(tiny_params(teacher, **overrides)))
+    return path
+
+
+def run_stage(cwd: Path, script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, str(REPO / "stages" / script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def start_stage(cwd: Path, script: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    return subprocess.Popen([sys.executable, str(REPO / "stages" / script), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,0 +1,137 @@
+"""The pipeline's stage scripts on a tiny untrained teacher: they run in order, resume after a kill with
+the same result, and stop with a clear message on bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from pipeline.shards import read_shard
+from tests.stage_helpers import build_tiny_teacher, run_stage, start_stage, workdir
+
+CHAIN = [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",),
+         ("qat_train.py", "--format", "s3d8"), ("pack_safetensors.py", "--format", "s3d8"), ("eval.py",)]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    return build_tiny_teacher(tmp_path_factory.mktemp("teacher"))
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, teacher):
+    """Every stage once, uninterrupted: the reference run."""
+    cwd = workdir(tmp_path_factory.mktemp("chain"), teacher)
+    for script, *args in CHAIN:
+        run_stage(cwd, script, *args)
+    return cwd
+
+
+def test_chain_outputs(chain):
+    result = json.loads((chain / "reports/eval.json").read_text())
+    assert set(result["models"]) == {"bf16-teacher", "s3d8-direct-cast", "s3d8-qat"}
+    for name, m in result["models"].items():
+        assert set(m) == {"format", "method", "bpp", "size_mb", "kl", "scores", "avg"}
+        assert set(m["scores"]) == {"toy-vqa", "toy-chartqa", "toy-docvqa", "toy-ai2d"}
+        assert m["avg"] == pytest.approx(sum(m["scores"].values()) / 4)
+    assert result["models"]["s3d8-qat"]["bpp"] == pytest.approx(
+        json.loads((chain / "reports/pack/s3d8.json").read_text())["qat"]["bits_per_param_nominal"])
+    assert result["models"]["s3d8-qat"]["kl"] > 0 and result["models"]["bf16-teacher"]["kl"] == 0
+    with safe_open(str(chain / "models/packed/s3d8/qat.safetensors"), "pt") as f:
+        assert f.metadata()["llama_mobile_format"] == "llama-mobile-s3d8-packed-v1"
+    assert (chain / "reports/summary.md").read_text().count("| s3d8-") == 2
+    assert (chain / "reports/eval_plot.png").stat().st_size > 1000
+    assert len(list((chain / "reports/answers").glob("*.parquet"))) == 3
+    history = (chain / "reports/qat/s3d8/plots/metrics/train/kl.tsv").read_text().splitlines()
+    assert len(history) == 1 + 4, "one KL record per step"
+    gen = json.loads((chain / "reports/teacher_generate.json").read_text())
+    assert gen["responses"] == 24 and 0 < gen["length_mean"] <= 6
+
+
+def test_sample_prompts_is_deterministic(chain, tmp_path, teacher):
+    cwd = workdir(tmp_path, teacher)
+    run_stage(cwd, "sample_prompts.py")
+    for ref in sorted((chain / "data/sampled").glob("*.parquet")):
+        assert (cwd / "data/sampled" / ref.name).read_bytes() == ref.read_bytes()
+
+
+def _wait_for(path, proc, timeout=300.0):
+    start = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"the stage ended before {path} appeared:\n{proc.stdout.read()}"
+        assert time.time() - start < timeout
+        time.sleep(0.02)
+
+
+def test_teacher_generate_resumes_after_a_kill(chain, tmp_path, teacher):
+    cwd = workdir(tmp_path, teacher)
+    shutil.copytree(chain / "data/sampled", cwd / "data/sampled")
+    proc = start_stage(cwd, "teacher_generate.py")
+    _wait_for(cwd / "data/teacher/shard-00000.parquet", proc)
+    proc.kill()
+    proc.wait()
+    done = sorted(p.name for p in (cwd / "data/teacher").glob("shard-*.parquet"))
+    assert len(done) < 3, "killed before the end"
+    # A truncated shard (a crash mid-write elsewhere) is regenerated, not trusted.
+    (cwd / "data/teacher/shard-00001.parquet").write_bytes(b"PAR1 truncated")
+    log = run_stage(cwd, "teacher_generate.py").stderr
+    assert "already done" in log
+    for ref in sorted((chain / "data/teacher").glob("*.parquet")):
+        assert read_shard(cwd / "data/teacher" / ref.name)[0].equals(read_shard(ref)[0])
+
+
+def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, teacher):
+    cwd = workdir(tmp_path, teacher, **{"qat.checkpoint_every": 1})
+    for part in ("data/sampled", "data/teacher", "data/centroids"):
+        shutil.copytree(chain / part, cwd / part)
+    proc = start_stage(cwd, "qat_train.py", "--format", "s3d8")
+    _wait_for(cwd / "checkpoints/qat/s3d8.pt", proc)
+    time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    log = run_stage(cwd, "qat_train.py", "--format", "s3d8").stderr
+    assert "resuming at step" in log
+    with safe_open(str(chain / "models/qat/s3d8/model.safetensors"), "pt") as a, \
+            safe_open(str(cwd / "models/qat/s3d8/model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for key in a.keys():
+            assert a.get_tensor(key).equal(b.get_tensor(key)), key
+    assert not (cwd / "checkpoints/qat/s3d8.pt").exists()
+    kl = (cwd / "reports/qat/s3d8/plots/metrics/train/kl.tsv").read_text()
+    assert kl == (chain / "reports/qat/s3d8/plots/metrics/train/kl.tsv").read_text()
+
+
+def test_missing_teacher_is_named(tmp_path, teacher):
+    cwd = workdir(tmp_path, tmp_path / "no-such-teacher")
+    proc = run_stage(cwd, "fit_centroids.py", "--format", "s3d8", check=False)
+    assert proc.returncode == 1 and "no-such-teacher" in proc.stderr
+
+
+def test_contradictory_params_are_named(chain, tmp_path, teacher):
+    cwd = workdir(tmp_path, teacher, **{"qat.batch_size": 64})
+    for part in ("data/teacher", "data/centroids"):
+        shutil.copytree(chain / part, cwd / part)
+    proc = run_stage(cwd, "qat_train.py", "--format", "s3d8", check=False)
+    assert proc.returncode == 1 and "qat.batch_size=64" in proc.stderr
+    proc = run_stage(cwd, "qat_train.py", "--format", "int", check=False)
+    assert proc.returncode == 1 and "data/centroids/int.safetensors" in proc.stderr
+    doc = yaml.safe_load((cwd / "params.yaml").read_text())
+    doc["qat"]["stepz"] = 3
+    (cwd / "params.yaml").write_text(yaml.safe_dump(doc))
+    proc = run_stage(cwd, "qat_train.py", "--format", "s3d8", check=False)
+    assert proc.returncode == 1 and "qat.stepz" in proc.stderr
+
+
+def test_corrupt_shard_is_named(chain, tmp_path, teacher):
+    cwd = workdir(tmp_path, teacher)
+    for part in ("data/teacher", "data/centroids"):
+        shutil.copytree(chain / part, cwd / part)
+    victim = cwd / "data/teacher/shard-00002.parquet"
+    victim.write_bytes(victim.read_bytes()[:100])
+    proc = run_stage(cwd, "qat_train.py", "--format", "s3d8", check=False)
+    assert proc.returncode == 1 and "shard-00002.parquet" in proc.stderr
