@@ -109,3 +109,49 @@ def load(cls: type[T], section: str, path: str | Path = "params.yaml") -> T:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     with Path(path).open() as f:
         return yaml.safe_load(f) or {}
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``base`` with ``overrides`` applied key by key (mappings merge, other values replace).
+    An override of a key ``base`` lacks is an error: presets cannot introduce typos."""
+    out = dict(base)
+    for key, value in overrides.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if key not in base:
+            raise ParamsError(f"preset sets unknown parameter {name!r}")
+        if isinstance(value, dict) and isinstance(base[key], dict) and base[key]:
+            out[key] = merge(base[key], value, name)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_preset(preset: str | Path, path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Write ``path`` with the overrides of ``preset`` applied; returns the merged parameters."""
+    from pipeline.io import write_text
+
+    merged = merge(load_yaml(path), load_yaml(preset))
+    header = f"# {Path(path).name} with the preset {Path(preset).name} applied (python -m pipeline.params apply)\n"
+    write_text(path, header + yaml.safe_dump(merged, sort_keys=False, default_flow_style=None, width=110))
+    return merged
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pipeline.params",
+                                     description="Apply a parameter preset (configs/*.yaml) to params.yaml.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    apply = sub.add_parser("apply", help="merge a preset's overrides into params.yaml")
+    apply.add_argument("preset")
+    apply.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    try:
+        apply_preset(args.preset, args.params)
+    except (ParamsError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"{args.params}: applied {args.preset}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The whole DAG with `dvc repro` on the CI-sized preset, in a scratch copy of the working tree.
+
+Slow (minutes): run with `pytest -m slow`. CI runs it after the default suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / name)
+    for built in REPO.glob("pipeline/_s3d8_native*.so"):      # the native library, built by setup.sh
+        shutil.copy2(built, dst / "pipeline" / built.name)
+
+
+def _run(cmd: list[str], cwd: Path, timeout: int = 1800) -> str:
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(cwd)}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_dvc_repro_ci_preset(tmp_path):
+    work = tmp_path / "repo"
+    work.mkdir()
+    _copy_tree(work)
+    _run(["git", "init", "-q"], work)
+    _run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "copy", "--allow-empty"], work)
+    _run([str(BIN / "python"), "-m", "pipeline.params", "apply", "configs/ci.yaml"], work)
+    started = time.perf_counter()
+    log = _run([str(BIN / "dvc"), "repro"], work)
+    minutes = (time.perf_counter() - started) / 60
+    print(f"\nCI-sized dvc repro: {minutes:.1f} minutes")
+    assert "Running stage 'toy-teacher'" not in log, "the committed teacher must not be retrained"
+
+    result = json.loads((work / "reports/eval.json").read_text())
+    formats = ["s3d8", "int", "student_t", "lloyd_max"]
+    assert set(result["models"]) == {"bf16-teacher"} | {f"{f}-{m}" for f in formats for m in ("direct-cast", "qat")}
+    for name, m in result["models"].items():
+        assert m["avg"] == pytest.approx(sum(m["scores"].values()) / len(m["scores"]))
+        if m["method"] != "teacher":
+            pack = json.loads((work / f"reports/pack/{m['format']}.json").read_text())[m["method"]]
+            assert m["bpp"] == pytest.approx(pack["bits_per_param_nominal"])
+            assert m["size_mb"] == pytest.approx(pack["file_bytes"] / 1e6)
+            assert (work / f"models/packed/{m['format']}/{m['method']}.safetensors").exists()
+    bench = json.loads((work / "reports/bench.json").read_text())
+    assert bench and (work / "reports/bench.md").exists() and (work / "reports/summary.md").exists()
+    status = _run([str(BIN / "dvc"), "status"], work)
+    assert "changed" not in status, status
