@@ -78,6 +78,12 @@ typedef void s3d8_dequant_f32_i32_fn(size_t m, size_t n, const int32_t *acc, siz
                                      const float *x_scale, const uint16_t *w_scale, float *y,
                                      size_t y_stride);
 
+/* Encode output channels [3*g0, 3*g1) of w[d_out, d_in] (float32, row stride w_stride) given the
+ * channel scales (bf16 bits, d_out of them) into packed rows g0..g1-1 (row stride pad16(d_in)). */
+typedef void s3d8_encode_s3d8cx_f32_fn(size_t d_out, size_t d_in, const float *w, size_t w_stride,
+                                       const int8_t table[96], const uint16_t *scale,
+                                       uint8_t *packed, size_t g0, size_t g1);
+
 typedef struct s3d8_variant {
     const char *name;
     s3d8_quant_qsi8dx_f32_fn *quant;
@@ -86,11 +92,10 @@ typedef struct s3d8_variant {
     s3d8_matmul_f32_qsi8dx_qsi8cx_fn *matmul_qsi8;
     s3d8_matmul_f32_f32_bf16_fn *matmul_bf16;
     s3d8_dequant_f32_i32_fn *dequant;
+    s3d8_encode_s3d8cx_f32_fn *encode;
 } s3d8_variant;
 
-/* Reference-only kernels. */
-/* Encode output channels [3*g0, 3*g1) of w[d_out, d_in] (float32, row stride w_stride) given the
- * channel scales (bf16 bits, d_out of them) into packed rows g0..g1-1 (row stride pad16(d_in)). */
+/* The reference encoder (every variant's encoder is this same C compiled for its target). */
 void s3d8_encode_s3d8cx_f32_ref(size_t d_out, size_t d_in, const float *w, size_t w_stride,
                                 const int8_t table[96], const uint16_t *scale, uint8_t *packed,
                                 size_t g0, size_t g1);
@@ -130,7 +135,7 @@ int s3d8_matmul_s3d8_tiled(int v, int threads, size_t m, size_t n, size_t k, con
                            const uint16_t *w_scale, float *y, size_t y_stride, int8_t *work,
                            size_t tile_groups);
 /* Channel scales then encoding, groups split over threads. */
-void s3d8_encode(int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
+int s3d8_encode(int v, int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
                  const int8_t table[96], uint8_t *packed, uint16_t *scale);
 int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);

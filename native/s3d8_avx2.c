@@ -238,6 +238,10 @@ static void dequant_avx2(size_t m, size_t n, const int32_t *acc, size_t acc_stri
     }
 }
 
+#define ENCODE_FN encode_avx2
+#include "s3d8_encode_impl.h"
+#undef ENCODE_FN
+
 const s3d8_variant s3d8_variant_avx2 = {
-    "avx2", quant_avx2, decode_avx2, matmul_s3d8_avx2, matmul_qsi8_avx2, matmul_bf16_avx2, dequant_avx2,
+    "avx2", quant_avx2, decode_avx2, matmul_s3d8_avx2, matmul_qsi8_avx2, matmul_bf16_avx2, dequant_avx2, encode_avx2,
 };

@@ -266,7 +266,11 @@ static void dequant_avx512(size_t m, size_t n, const int32_t *acc, size_t acc_st
     }
 }
 
+#define ENCODE_FN encode_avx512
+#include "s3d8_encode_impl.h"
+#undef ENCODE_FN
+
 const s3d8_variant s3d8_variant_avx512 = {
     "avx512", quant_avx512, decode_avx512, matmul_s3d8_avx512, matmul_qsi8_avx512, matmul_bf16_avx512,
-    dequant_avx512,
+    dequant_avx512, encode_avx512,
 };

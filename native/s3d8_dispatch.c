@@ -261,15 +261,17 @@ static void encode_scales(const void *p, int part, size_t b, size_t e) {
 
 static void encode_groups(const void *p, int part, size_t b, size_t e) {
     const job *j = p;
-    s3d8_encode_s3d8cx_f32_ref(j->n, j->k, j->x, j->x_stride, j->table, j->w_scale, j->out, b, e);
+    j->v->encode(j->n, j->k, j->x, j->x_stride, j->table, j->w_scale, j->out, b, e);
 }
 
-void s3d8_encode(int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
-                 const int8_t table[96], uint8_t *packed, uint16_t *scale) {
-    job j = {.n = d_out, .k = d_in, .x = w, .x_stride = w_stride, .table = table,
-             .out_bf16 = scale, .w_scale = scale, .out = packed};
+int s3d8_encode(int v, int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
+                const int8_t table[96], uint8_t *packed, uint16_t *scale) {
+    job j = {.v = variant_or_null(v), .n = d_out, .k = d_in, .x = w, .x_stride = w_stride,
+             .table = table, .out_bf16 = scale, .w_scale = scale, .out = packed};
+    if (!j.v) return -1;
     parallel_for(threads, d_out, encode_scales, &j);
     parallel_for(threads, S3D8_GROUPS(d_out), encode_groups, &j);
+    return 0;
 }
 
 static void dequant_rows(const void *p, int part, size_t b, size_t e) {

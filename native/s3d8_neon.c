@@ -235,11 +235,15 @@ static void dequant_neon(size_t m, size_t n, const int32_t *acc, size_t acc_stri
     }
 }
 
+#define ENCODE_FN encode_neon
+#include "s3d8_encode_impl.h"
+#undef ENCODE_FN
+
 const s3d8_variant s3d8_variant_neon = {
-    "neon", quant_neon, decode_neon, matmul_s3d8_neon, matmul_qsi8_neon, matmul_bf16_neon, dequant_neon,
+    "neon", quant_neon, decode_neon, matmul_s3d8_neon, matmul_qsi8_neon, matmul_bf16_neon, dequant_neon, encode_neon,
 };
 
 const s3d8_variant s3d8_variant_neon_i8mm = {
     "neon_i8mm", quant_neon, decode_neon, matmul_s3d8_neon, matmul_qsi8_neon_i8mm, matmul_bf16_neon,
-    dequant_neon,
+    dequant_neon, encode_neon,
 };

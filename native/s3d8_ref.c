@@ -149,54 +149,14 @@ static void matmul_bf16_ref(size_t m, size_t n, size_t k, const float *x, size_t
     }
 }
 
+#define ENCODE_FN encode_ref
+#include "s3d8_encode_impl.h"
+#undef ENCODE_FN
+
 void s3d8_encode_s3d8cx_f32_ref(size_t d_out, size_t d_in, const float *w, size_t w_stride,
                                 const int8_t table[96], const uint16_t *scale, uint8_t *packed,
                                 size_t g0, size_t g1) {
-    enum { CHUNK = 64 };
-    size_t k16 = S3D8_PAD16(d_in);
-    float t[3][32];
-    for (int i = 0; i < 32; i++)
-        for (int j = 0; j < 3; j++) t[j][i] = (float)table[3 * i + j];
-    for (size_t g = g0; g < g1; g++) {
-        float s[3];
-        const float *row[3];
-        for (int j = 0; j < 3; j++) {
-            size_t r = 3 * g + (size_t)j;
-            row[j] = r < d_out ? w + r * w_stride : NULL; /* padded rows are 0 with scale 1 */
-            s[j] = r < d_out ? s3d8_f32_from_bf16(scale[r]) : 1.0f;
-        }
-        for (size_t c0 = 0; c0 < k16; c0 += CHUNK) {
-            size_t len = k16 - c0 < CHUNK ? k16 - c0 : CHUNK;
-            float a[3][CHUNK], best[CHUNK];
-            uint8_t sign[3][CHUNK], q[CHUNK];
-            for (int j = 0; j < 3; j++) {
-                for (size_t c = 0; c < len; c++) {
-                    float v = (row[j] && c0 + c < d_in) ? row[j][c0 + c] / s[j] : 0.0f;
-                    a[j][c] = fabsf(v);
-                    sign[j][c] = v < 0.0f;
-                }
-            }
-            /* Written so the compiler can vectorise it; strict < keeps the first minimum. */
-            for (size_t c = 0; c < len; c++) {
-                float e0 = a[0][c] - t[0][0], e1 = a[1][c] - t[1][0], e2 = a[2][c] - t[2][0];
-                best[c] = (e0 * e0 + e1 * e1) + e2 * e2;
-                q[c] = 0;
-            }
-            for (int i = 1; i < 32; i++) {
-                for (size_t c = 0; c < len; c++) {
-                    float e0 = a[0][c] - t[0][i], e1 = a[1][c] - t[1][i], e2 = a[2][c] - t[2][i];
-                    float d = (e0 * e0 + e1 * e1) + e2 * e2;
-                    int better = d < best[c];
-                    best[c] = better ? d : best[c];
-                    q[c] = better ? (uint8_t)i : q[c];
-                }
-            }
-            uint8_t *out = packed + g * k16 + c0;
-            for (size_t c = 0; c < len; c++)
-                out[c] = (uint8_t)((q[c] << 1) | sign[0][c] | (sign[1][c] << 6) |
-                                   ((sign[0][c] ^ sign[2][c]) << 7));
-        }
-    }
+    encode_ref(d_out, d_in, w, w_stride, table, scale, packed, g0, g1);
 }
 
 static void dequant_ref(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
@@ -209,4 +169,5 @@ static void dequant_ref(size_t m, size_t n, const int32_t *acc, size_t acc_strid
 
 const s3d8_variant s3d8_variant_ref = {
     "scalar", quant_ref, decode_ref, matmul_s3d8_ref, matmul_qsi8_ref, matmul_bf16_ref, dequant_ref,
+    encode_ref,
 };

@@ -43,7 +43,7 @@ PATHS = ("fused", "tiled", "torch")
 # torch._int_mm is faster.
 FUSED_MAX_M = 16
 TORCH_MIN_M = 512
-TILE_GROUPS = 128                 # tiled path: 384 channels per tile and thread (stays in L2)
+TILE_GROUPS = 32                  # tiled path: 96 channels per tile and thread (stays in L2)
 TORCH_TILE_BYTES = 32 << 20       # torch path: INT8 bytes decoded per torch._int_mm call
 
 _workspace = threading.local()
@@ -207,8 +207,8 @@ def s3d8_decode_int8(packed: torch.Tensor, table: torch.Tensor, shape, variant: 
     return out
 
 
-def s3d8_encode(weight: torch.Tensor, table: torch.Tensor,
-                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def s3d8_encode(weight: torch.Tensor, table: torch.Tensor, threads: int | None = None,
+                variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``weight [d_out, d_in]`` (float32, or bf16/fp16 converted exactly) like
     ``pipeline.formats.s3d8.encode``: ``(packed uint8 [ceil(d_out/3), pad16(d_in)], scale bf16 [d_out, 1])``."""
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
@@ -225,7 +225,7 @@ def s3d8_encode(weight: torch.Tensor, table: torch.Tensor,
         raise ValueError("table: centroid values must lie in [0, 127]")
     packed = torch.empty(-(-d_out // GROUP), _pad(d_in, 16), dtype=torch.uint8)
     scale = torch.empty(d_out, 1, dtype=torch.bfloat16)
-    lib.s3d8_encode(_threads(threads), d_out, d_in, _ptr(weight, "float *"), d_in,
+    lib.s3d8_encode(_variant_index(variant), _threads(threads), d_out, d_in, _ptr(weight, "float *"), d_in,
                     _ptr(table, "int8_t *"), _ptr(packed, "uint8_t *"), _ptr(scale, "uint16_t *"))
     return packed, scale
 

@@ -133,23 +133,27 @@ def test_quantize_activations_matches_reference(variant):
         assert torch.equal(got_q, xq) and torch.equal(got_scale, scale)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_encode_matches_reference(shape):
+def test_encode_matches_reference(variant, shape):
     w, packed, scale, table = random_s3d8(*shape)
     for threads in (1, 2, 5):
-        got_packed, got_scale = native.s3d8_encode(w, table, threads=threads)
+        got_packed, got_scale = native.s3d8_encode(w, table, threads=threads, variant=variant)
         assert got_packed.dtype == torch.uint8 and got_scale.dtype == torch.bfloat16
         assert torch.equal(got_packed, packed) and torch.equal(got_scale, scale)
 
 
-def test_encode_bf16_weight_and_fitted_table():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_encode_bf16_weight_and_fitted_table(variant):
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(31, 90, generator=gen) * 0.02).to(torch.bfloat16)
     w[5, :] = 0
     w[7, 3] = -0.0
+    w[9, :] = w[8, :]                                     # equal rows: ties between centroids
     table = s3d8.fit_centroids(w)
+    table[5] = table[4]                                    # duplicate centroid: ties go to the lower index
     packed, scale = s3d8.encode(w, table)
-    got_packed, got_scale = native.s3d8_encode(w, table)
+    got_packed, got_scale = native.s3d8_encode(w, table, variant=variant)
     assert torch.equal(got_packed, packed) and torch.equal(got_scale, scale)
 
 
