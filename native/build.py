@@ -75,6 +75,30 @@ int s3d8_encode(int v, int threads, size_t d_out, size_t d_in, const float *w, s
 int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
 uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n);
+int s3d8_linear_s3d8_at(int v, int threads, size_t m, size_t n, size_t k, uintptr_t x,
+                        size_t x_stride, uintptr_t packed, uintptr_t table, uintptr_t w_scale,
+                        uintptr_t y, size_t y_stride, uintptr_t work);
+int s3d8_linear_qsi8_at(int v, int threads, size_t m, size_t n, size_t k, uintptr_t x,
+                        size_t x_stride, uintptr_t w, size_t w_stride, uintptr_t w_scale,
+                        uintptr_t y, size_t y_stride, uintptr_t work);
+"""
+# The hot small-m calls take addresses as integers (tensor.data_ptr()): a cffi pointer cast per
+# argument would cost more than the kernel for small matrices.
+WRAPPERS = """
+#include "s3d8.h"
+static int s3d8_linear_s3d8_at(int v, int threads, size_t m, size_t n, size_t k, uintptr_t x,
+                               size_t x_stride, uintptr_t packed, uintptr_t table,
+                               uintptr_t w_scale, uintptr_t y, size_t y_stride, uintptr_t work) {
+    return s3d8_linear_s3d8(v, threads, m, n, k, (const float *)x, x_stride, (const uint8_t *)packed,
+                            (const int8_t *)table, (const uint16_t *)w_scale, (float *)y, y_stride,
+                            (void *)work);
+}
+static int s3d8_linear_qsi8_at(int v, int threads, size_t m, size_t n, size_t k, uintptr_t x,
+                               size_t x_stride, uintptr_t w, size_t w_stride, uintptr_t w_scale,
+                               uintptr_t y, size_t y_stride, uintptr_t work) {
+    return s3d8_linear_qsi8(v, threads, m, n, k, (const float *)x, x_stride, (const int8_t *)w,
+                            w_stride, (const uint16_t *)w_scale, (float *)y, y_stride, (void *)work);
+}
 """
 
 
@@ -126,7 +150,7 @@ def build_extension(force: bool = False) -> Path:
     objects = compile_library(cc, out_dir, ["-fPIC"])
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
-    ffi.set_source("pipeline._s3d8_native", '#include "s3d8.h"', include_dirs=[str(NATIVE)],
+    ffi.set_source("pipeline._s3d8_native", WRAPPERS, include_dirs=[str(NATIVE)],
                    extra_objects=[str(o) for o in objects], extra_compile_args=["-O2"],
                    extra_link_args=["-fopenmp"])
     built = Path(ffi.compile(tmpdir=str(out_dir), verbose=False))

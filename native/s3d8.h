@@ -134,6 +134,17 @@ int s3d8_matmul_s3d8_tiled(int v, int threads, size_t m, size_t n, size_t k, con
                            const uint8_t *packed, const int8_t table[96],
                            const uint16_t *w_scale, float *y, size_t y_stride, int8_t *work,
                            size_t tile_groups);
+/* A whole linear layer for small m, in one call: quantise x [m, k] (float32, row stride x_stride)
+ * per token into `work` (S3D8_LINEAR_WORK(m, k) bytes, 64-byte aligned), then the fused S3D8
+ * product (s3d8) or the INT8-weight product (qsi8, w int8 [n, k]) into y [m, n]. */
+#define S3D8_LINEAR_WORK(m, k) ((size_t)(m) * (S3D8_LHS_STRIDE(k) + 8))
+int s3d8_linear_s3d8(int v, int threads, size_t m, size_t n, size_t k, const float *x,
+                     size_t x_stride, const uint8_t *packed, const int8_t table[96],
+                     const uint16_t *w_scale, float *y, size_t y_stride, void *work);
+int s3d8_linear_qsi8(int v, int threads, size_t m, size_t n, size_t k, const float *x,
+                     size_t x_stride, const int8_t *w, size_t w_stride, const uint16_t *w_scale,
+                     float *y, size_t y_stride, void *work);
+
 /* Channel scales then encoding, groups split over threads. */
 int s3d8_encode(int v, int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
                  const int8_t table[96], uint8_t *packed, uint16_t *scale);

@@ -253,6 +253,37 @@ int s3d8_matmul_s3d8_tiled(int v, int threads, size_t m, size_t n, size_t k, con
     return 0;
 }
 
+/* work = xq [m][stride] | x_scale [m] | x_sum [m] */
+static void split_work(void *work, size_t m, size_t k, int8_t **xq, float **xs, int32_t **xsum) {
+    *xq = work;
+    *xs = (float *)(void *)(*xq + m * S3D8_LHS_STRIDE(k));
+    *xsum = (int32_t *)(void *)(*xs + m);
+}
+
+int s3d8_linear_s3d8(int v, int threads, size_t m, size_t n, size_t k, const float *x,
+                     size_t x_stride, const uint8_t *packed, const int8_t table[96],
+                     const uint16_t *w_scale, float *y, size_t y_stride, void *work) {
+    int8_t *xq;
+    float *xs;
+    int32_t *xsum;
+    split_work(work, m, k, &xq, &xs, &xsum);
+    if (s3d8_quant(v, threads, m, k, x, x_stride, xq, S3D8_LHS_STRIDE(k), xs, xsum)) return -1;
+    return s3d8_matmul_s3d8(v, threads, m, n, k, xq, S3D8_LHS_STRIDE(k), xs, xsum, packed, table,
+                            w_scale, y, y_stride);
+}
+
+int s3d8_linear_qsi8(int v, int threads, size_t m, size_t n, size_t k, const float *x,
+                     size_t x_stride, const int8_t *w, size_t w_stride, const uint16_t *w_scale,
+                     float *y, size_t y_stride, void *work) {
+    int8_t *xq;
+    float *xs;
+    int32_t *xsum;
+    split_work(work, m, k, &xq, &xs, &xsum);
+    if (s3d8_quant(v, threads, m, k, x, x_stride, xq, S3D8_LHS_STRIDE(k), xs, xsum)) return -1;
+    return s3d8_matmul_qsi8(v, threads, m, n, k, xq, S3D8_LHS_STRIDE(k), xs, xsum, w, w_stride,
+                            w_scale, y, y_stride);
+}
+
 static void encode_scales(const void *p, int part, size_t b, size_t e) {
     const job *j = p;
     for (size_t r = b; r < e; r++)

@@ -87,13 +87,19 @@ def compiled_variants() -> list[str]:
     return [ffi.string(lib.s3d8_variant_get(i).name).decode() for i in range(lib.s3d8_variant_count())]
 
 
+_default_cache: dict[str | None, int] = {}
+
+
 def _variant_index(name: str | None) -> int:
     if name is None:
+        forced = os.environ.get("S3D8_VARIANT")
+        if forced in _default_cache:
+            return _default_cache[forced]
         index = lib.s3d8_variant_default()
         if index < 0:
-            forced = os.environ.get("S3D8_VARIANT")
             raise ValueError(f"S3D8_VARIANT={forced!r} is not available here; available: "
                              f"{available_variants()} (compiled: {compiled_variants()})")
+        _default_cache[forced] = index
         return index
     index = lib.s3d8_variant_find(name.encode())
     if index < 0 or not lib.s3d8_variant_supported(index):
@@ -268,14 +274,15 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
     y = torch.empty(m, d_out, dtype=torch.float32)
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
-    xq, xs, xsum = _quantize(x2, v, t)
     chosen = _choose_path(path, m)
+    if chosen == "fused":  # one C call: quantise into a reused workspace, then the fused kernel
+        work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
+        lib.s3d8_linear_s3d8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, packed.data_ptr(),
+                                table.data_ptr(), scale.data_ptr(), y.data_ptr(), d_out, work.data_ptr())
+        return y.reshape(*x.shape[:-1], d_out)
+    xq, xs, xsum = _quantize(x2, v, t)
     p_packed, p_table, p_scale = _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(scale, "uint16_t *")
-    if chosen == "fused":
-        lib.s3d8_matmul_s3d8(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
-                             _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), p_packed, p_table,
-                             p_scale, _ptr(y, "float *"), d_out)
-    elif chosen == "tiled":
+    if chosen == "tiled":
         work = _scratch("tiles", t * 3 * TILE_GROUPS * xq.stride(0), torch.int8)
         lib.s3d8_matmul_s3d8_tiled(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
                                    _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), p_packed, p_table,
@@ -309,13 +316,13 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(m, d_out, dtype=torch.float32)
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
-    xq, xs, xsum = _quantize(x2, v, t)
     if _choose_path(path, m) == "torch":
+        xq, xs, _ = _quantize(x2, v, t)
         _int_mm_epilogue(xq[:, :d_in], weight, xs, _ptr(scale, "uint16_t *"), y, v, t)
     else:  # "fused" and "tiled" are the same kernel for INT8 weights
-        lib.s3d8_matmul_qsi8(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
-                             _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), _ptr(weight, "int8_t *"),
-                             d_in, _ptr(scale, "uint16_t *"), _ptr(y, "float *"), d_out)
+        work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
+        lib.s3d8_linear_qsi8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, weight.data_ptr(), d_in,
+                                scale.data_ptr(), y.data_ptr(), d_out, work.data_ptr())
     return y.reshape(*x.shape[:-1], d_out)
 
 
