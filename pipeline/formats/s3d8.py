@@ -239,7 +239,7 @@ def fit_centroids(weight: torch.Tensor, *, seed: int = 0, max_vectors: int = 2 *
 
     k-means++ initialisation and subsampling are seeded; iteration stops when at most ``tol`` of
     the assignments change. To converge in seconds, Lloyd runs first on nested random subsets of
-    the sample (2^16, 2^18, 2^20 vectors) and each result seeds the next, ending on the whole
+    the sample (2^12, 2^14, ..., 2^20 vectors) and each result seeds the next, ending on the whole
     sample with the same stopping rule. Centroids are rounded to the nearest integer (SPEC decision).
     """
     check_weight(weight)
@@ -249,7 +249,7 @@ def fit_centroids(weight: torch.Tensor, *, seed: int = 0, max_vectors: int = 2 *
     gen = torch.Generator().manual_seed(seed)
     a = a[torch.randperm(a.shape[0], generator=gen)]
     centroids = _kmeans_pp(a[:2 ** 16], N_CENTROIDS, gen)
-    for size in sorted({min(a.shape[0], s) for s in (2 ** 16, 2 ** 18, 2 ** 20, a.shape[0])}):
+    for size in sorted({min(a.shape[0], 2 ** e) for e in (12, 14, 16, 18, 20)} | {a.shape[0]}):
         centroids = _lloyd(a[:size], centroids, tol, max_iter)
     return centroids.round().clamp(0, 127).to(torch.int8)
 
