@@ -155,7 +155,9 @@ def build_extension(force: bool = False) -> Path:
                    extra_link_args=["-fopenmp"])
     built = Path(ffi.compile(tmpdir=str(out_dir), verbose=False))
     target = ROOT / "pipeline" / built.name
-    shutil.copy2(built, target)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.copy2(built, tmp)
+    os.replace(tmp, target)  # a new file: a running process keeps its mapping of the old one
     print(f"native/build.py: built {target.relative_to(ROOT)} ({arch})")
     return target
 
