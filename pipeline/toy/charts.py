@@ -1,0 +1,105 @@
+"""toy-chartqa (mirrors ChartQA): bar charts of 3-4 coloured bars with values 1-9 on a gridded axis;
+questions on the tallest / shortest bar, a bar's value and the number of bars; relaxed accuracy."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from PIL import Image
+
+from pipeline.toy import draw
+from pipeline.toy.facts import Facts, a, join_words, plural
+
+BASE_Y = 59  # the x axis
+UNIT = 6  # pixels per unit of value: gridlines at every unit
+LEFT = 5  # the y axis
+GRID = (205, 205, 205)
+
+
+@dataclass(frozen=True)
+class Bar:
+    color: str
+    value: int
+
+
+@dataclass(frozen=True)
+class Scene:
+    bars: tuple[Bar, ...]  # left to right; distinct colours and distinct values
+
+    @property
+    def key(self) -> str:
+        return "chart:" + ";".join(f"{b.color}-{b.value}" for b in self.bars)
+
+
+def sample(rng: random.Random) -> Scene:
+    n = rng.choice([3, 4])
+    colors = rng.sample(sorted(draw.COLORS), n)
+    values = rng.sample(range(1, 10), n)
+    return Scene(tuple(Bar(c, v) for c, v in zip(colors, values)))
+
+
+def render(scene: Scene) -> Image.Image:
+    image, d = draw.canvas()
+    for v in range(1, 10):
+        y = BASE_Y - v * UNIT
+        d.line([(LEFT + 1, y), (63, y)], fill=GRID, width=1)
+    n = len(scene.bars)
+    slot = (63 - LEFT - 2) / n
+    width = round(slot * 0.62)
+    for i, bar in enumerate(scene.bars):
+        x0 = round(LEFT + 2 + i * slot + (slot - width) / 2)
+        d.rectangle([x0, BASE_Y - bar.value * UNIT, x0 + width - 1, BASE_Y - 1], fill=draw.COLORS[bar.color])
+    d.line([(LEFT, 2), (LEFT, BASE_Y)], fill=draw.INK, width=1)
+    d.line([(LEFT, BASE_Y), (63, BASE_Y)], fill=draw.INK, width=1)
+    return image
+
+
+def question(scene: Scene, rng: random.Random) -> tuple[str, str, list[str]]:
+    """(question, canonical answer, reference labels)."""
+    kind = rng.choices(["tallest", "shortest", "value", "count"], weights=[0.25, 0.25, 0.4, 0.1])[0]
+    if kind == "tallest":
+        bar = max(scene.bars, key=lambda b: b.value)
+        q = rng.choice(["Which bar is the tallest?", "Which color is the tallest bar?", "Which bar has the highest value?"])
+        return q, bar.color, [bar.color]
+    if kind == "shortest":
+        bar = min(scene.bars, key=lambda b: b.value)
+        q = rng.choice(["Which bar is the shortest?", "Which color is the shortest bar?", "Which bar has the lowest value?"])
+        return q, bar.color, [bar.color]
+    if kind == "value":
+        bar = rng.choice(scene.bars)
+        q = rng.choice([f"What is the value of the {bar.color} bar?", f"How high is the {bar.color} bar?"])
+        return q, str(bar.value), [str(bar.value)]
+    q = "How many bars are in the chart?"
+    return q, str(len(scene.bars)), [str(len(scene.bars))]
+
+
+def facts(scene: Scene, colors: bool = True) -> Facts:
+    n = len(scene.bars)
+    names = [a(f"{b.color} bar") if colors else "a bar" for b in scene.bars]
+    tallest = max(scene.bars, key=lambda b: b.value)
+    shortest = min(scene.bars, key=lambda b: b.value)
+    if colors:
+        values = [f"the {b.color} bar is at {b.value}" for b in scene.bars]
+        items = [a(f"{b.color} bar of {b.value}") for b in scene.bars]
+        highlight = f"The {tallest.color} bar is the tallest, at {tallest.value}."
+        details = [
+            f"The values are: {join_words(values)}.",
+            f"The {shortest.color} bar is the shortest, at {shortest.value}.",
+        ]
+    else:
+        values = [str(b.value) for b in scene.bars]
+        items = [f"a bar of {b.value}" for b in scene.bars]
+        highlight = f"The tallest bar reaches {tallest.value}."
+        details = [f"From left to right the values are {join_words(values)}.", f"The shortest bar reaches {shortest.value}."]
+    return Facts(
+        caption=f"a bar chart with {plural(n, 'bar')}",
+        summary=f"The image shows a bar chart with {plural(n, 'bar')}" + (f": {join_words(names)}." if colors else "."),
+        details=details,
+        items=items,
+        colors=[b.color for b in scene.bars] if colors else [],
+        layout=f"The chart has {plural(n, 'bar')} standing on a horizontal axis, with grid lines behind them.",
+        highlight=highlight,
+        count=n,
+        noun="bars",
+    )

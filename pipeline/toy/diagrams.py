@@ -1,0 +1,98 @@
+"""toy-ai2d (mirrors AI2D): flow diagrams of three shapes joined by arrows (left to right or right to left);
+multiple-choice questions on the order of the stages, with the four shape names as options; accuracy."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from PIL import Image
+
+from pipeline.toy import draw
+from pipeline.toy.facts import Facts, a, join_words
+
+XS = (9, 32, 55)  # stage centres, left to right
+SIZE = 12
+Y = 32
+
+
+@dataclass(frozen=True)
+class Scene:
+    shapes: tuple[str, str, str]  # left to right
+    colors: tuple[str, str, str]
+    rightwards: bool  # arrows point right (the flow runs left to right)
+
+    @property
+    def flow(self) -> tuple[str, ...]:
+        """The stages in the order of the arrows."""
+        return self.shapes if self.rightwards else self.shapes[::-1]
+
+    @property
+    def key(self) -> str:
+        return "diagram:" + "-".join(self.flow)
+
+
+def sample(rng: random.Random) -> Scene:
+    shapes = tuple(rng.sample(draw.SHAPES, 3))
+    colors = tuple(rng.sample(sorted(draw.COLORS), 3))
+    return Scene(shapes, colors, rng.random() < 0.5)
+
+
+def render(scene: Scene) -> Image.Image:
+    image, d = draw.canvas()
+    for x, s, c in zip(XS, scene.shapes, scene.colors):
+        draw.shape(d, s, x, Y, SIZE, draw.COLORS[c])
+    gap = SIZE / 2 + 1.5
+    for a, b in zip(XS[:-1], XS[1:]):
+        x0, x1 = a + gap, b - gap
+        if not scene.rightwards:
+            x0, x1 = x1, x0
+        draw.arrow(d, x0, Y, x1, Y, head=6)
+    return image
+
+
+def question(scene: Scene, rng: random.Random) -> tuple[str, str, list[str]]:
+    """(question, correct option text, options in presentation order)."""
+    flow = scene.flow
+    kind = rng.choice(["first", "last", "after", "before", "missing"])
+    if kind == "first":
+        q, answer = "Which stage comes first in the diagram?", flow[0]
+    elif kind == "last":
+        q, answer = "Which stage comes last in the diagram?", flow[-1]
+    elif kind == "after":
+        i = rng.randrange(2)
+        q, answer = f"Which stage comes right after the {flow[i]}?", flow[i + 1]
+    elif kind == "before":
+        i = rng.randrange(1, 3)
+        q, answer = f"Which stage comes right before the {flow[i]}?", flow[i - 1]
+    else:
+        q, answer = "Which shape is not in the diagram?", next(s for s in draw.SHAPES if s not in flow)
+    options = list(draw.SHAPES)
+    rng.shuffle(options)
+    return q, answer, options
+
+
+def facts(scene: Scene, colors: bool = True) -> Facts:
+    by_shape = dict(zip(scene.shapes, scene.colors))
+
+    def name(s: str) -> str:
+        return a(f"{by_shape[s]} {s}") if colors else a(s)
+
+    flow = scene.flow
+    direction = "from left to right" if scene.rightwards else "from right to left"
+    return Facts(
+        caption="a diagram of three stages",
+        summary=f"The image shows a diagram where {name(flow[0])} leads to {name(flow[1])} and then to {name(flow[2])}.",
+        details=[
+            f"The {flow[0]} is the first stage and the {flow[2]} is the last stage.",
+            f"The arrows point {direction}.",
+        ]
+        + ([f"The colors are {join_words([by_shape[s] for s in flow])}."] if colors else []),
+        items=[name(s) for s in flow],
+        colors=[by_shape[s] for s in flow] if colors else [],
+        layout=f"Three shapes stand in a row, joined by arrows. The {scene.shapes[0]} is on the left and the {scene.shapes[2]} is on the right.",
+        highlight=f"The flow starts at the {flow[0]} and ends at the {flow[2]}.",
+        count=3,
+        noun="stages",
+        words=[],
+    )
