@@ -205,7 +205,7 @@ class StudentT(_Scalar6):
     qmax = 1.0
     DOF_GRID = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0, 10.0, 15.0, 30.0, 100.0)
     SCALE_GRID = torch.logspace(-2.5, 0.5, 61, dtype=torch.float64)
-    MAX_SAMPLES = 2 ** 16
+    MAX_SAMPLES = 2 ** 14       # ample for a two-parameter maximum-likelihood fit
 
     def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
         check_weight(weight)
