@@ -41,10 +41,7 @@ Encoder = Callable[[torch.Tensor, dict], dict[str, torch.Tensor]]
 
 
 def _s3d8_encode(weight: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
-    try:
-        from pipeline import native
-    except ImportError:      # the extension is not built
-        native = None
+    native = s3d8.native_or_none()
     if native is not None:
         packed, scale = native.s3d8_encode(weight.float().contiguous(), state["table"])
     else:  # the reference encoder is bit-identical (tested), only slower

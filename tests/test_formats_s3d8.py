@@ -113,6 +113,14 @@ def test_quantize_equals_decode_of_encode_bit_for_bit():
         assert torch.equal(q, s3d8.decode(*s3d8.encode(weight, table), table, shape))
 
 
+def test_quantize_native_and_reference_paths_agree():
+    torch.manual_seed(4)
+    for shape in [(5, 20), (96, 257)]:
+        weight = torch.randn(shape)
+        table = s3d8.fit_centroids(weight)
+        assert torch.equal(s3d8.quantize(weight, table, use_native=False), s3d8.quantize(weight, table))
+
+
 def test_quantize_keeps_dtype_and_passes_gradient_straight_through():
     weight = torch.randn(9, 32, dtype=torch.bfloat16, requires_grad=True)
     table = s3d8.fit_centroids(weight.detach())
