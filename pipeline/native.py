@@ -12,9 +12,10 @@ Products (``x`` float32 ``[m, k]`` quantised per token inside, exactly as
 ``pipeline.quant.int8_activations``; output float32 ``[m, n]``):
 
 - ``s3d8_matmul``: S3D8 weights. Small m: one fused decode + dot-product kernel that streams the
-  packed bytes once. Large m: the weights are decoded to INT8 a tile at a time (a tile stays in
-  cache) and each tile goes to an INT8 GEMM: torch's ``_int_mm`` (oneDNN, AMX where present) on
-  x86, or the variant's own kernel (NEON ``smmla``) elsewhere.
+  packed bytes once. Larger m: the weights are decoded to INT8 a tile at a time (a tile stays in
+  cache) and each tile goes to an INT8 GEMM: the variant's own kernel (VNNI; NEON ``smmla``), or
+  torch's ``_int_mm`` (oneDNN, AMX where present) for many tokens on x86 (see ``_choose_path``).
+- ``S3D8Linear``: an inference ``nn.Module`` over a packed weight, for running a model with these kernels.
 - ``int8_matmul``: per-channel INT8 weights ``[n, k]``, same activation handling (the baseline).
 - ``bf16_matmul``: bfloat16 weights, float32 arithmetic (the baseline; not bit-exact across variants).
 """

@@ -18,9 +18,16 @@ with its Pixel 8a figures beside ours, the targets, the breakdown) and ``reports
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
+
+# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a shared machine (more
+# runnable threads than cores) a spinning thread holds a core that a worker needs, and every
+# parallel region can stall for a scheduler time slice; on a quiet machine it costs a few
+# microseconds per call. Set OMP_WAIT_POLICY=active in the environment to measure the other way.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import argparse  # noqa: E402
+import math
 import platform
 import re
 import statistics
@@ -277,7 +284,7 @@ def markdown(records: list[dict], summary: dict, machine: dict, p: BenchParams) 
     lines = ["# Kernel benchmarks (arm-bench)", "",
              f"Measured by `stages/arm_bench.py` on {machine['cpu']} ({machine['arch']}, {machine['cores']} cores), "
              f"library variant **{machine['variant']}** (available: {', '.join(machine['variants'])}), "
-             f"torch {machine['torch']} ({machine['torch_capability']}). Weights {'hot (one copy)' if p.hot else f'cold: rotating over at least {p.rotate_mb} MB of copies'}; "
+             f"torch {machine['torch']} ({machine['torch_capability']}), OMP_WAIT_POLICY={machine.get('omp_wait_policy') or 'unset'}. Weights {'hot (one copy)' if p.hot else f'cold: rotating over at least {p.rotate_mb} MB of copies'}; "
              "median of interleaved rounds. GMAC/s = m·k·n / time. Products are float32 in, float32 out, "
              "activations quantised per token inside (except `torch._int_mm`, given int8 activations, int32 out). "
              "The Pixel 8a columns are the paper's published figures (5 cores), for comparison only.", ""]
@@ -373,7 +380,8 @@ def machine_info(p: BenchParams) -> dict:
         pass
     return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
             "variant": p.variant or native.variant(), "variants": native.available_variants(),
-            "torch": torch.__version__, "torch_capability": torch.backends.cpu.get_cpu_capability()}
+            "torch": torch.__version__, "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}
 
 
 def run(p: BenchParams, out: Path) -> dict:
