@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+# One thread per test process: the suite's timings stay predictable on a 2-core machine, and
+# nothing here depends on intra-op parallelism (the native kernels take their thread count explicitly).
+torch.set_num_threads(1)
+
 
 def tiny_mllama(seed: int = 0):
     from transformers import MllamaConfig, MllamaForConditionalGeneration
