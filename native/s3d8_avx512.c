@@ -21,6 +21,10 @@
 #ifndef S3D8_HINT
 #define S3D8_HINT _MM_HINT_T0
 #endif
+#ifndef QSI8_R /* INT8 product block for many tokens: rows x tokens accumulators */
+#define QSI8_R 4
+#define QSI8_T 4
+#endif
 #ifndef QSI8_PF
 #define QSI8_PF 512
 #endif
@@ -165,7 +169,7 @@ static inline __attribute__((always_inline)) void qsi8_block(
     int R, int T, size_t k, const int8_t *w, size_t w_stride, const int8_t *xq, size_t xq_stride,
     const float *x_scale, const int32_t *x_sum, const uint16_t *w_scale, float *y, size_t y_stride) {
     const __m512i bias = _mm512_set1_epi8((char)0x80);
-    __m512i acc[4][4], wv[4];
+    __m512i acc[QSI8_T][QSI8_R], wv[QSI8_R];
     for (int t = 0; t < T; t++)
         for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_si512();
     size_t c = 0;
@@ -196,33 +200,35 @@ static void matmul_qsi8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
                                const float *x_scale, const int32_t *x_sum, const int8_t *w,
                                size_t w_stride, const uint16_t *w_scale, float *y,
                                size_t y_stride) {
-    /* Few tokens: one row at a time, a single linear stream that the prefetcher follows best.
-     * More tokens: 4 rows x 4 tokens per block, for register reuse. */
-    size_t rows_per_block = m <= 4 ? 1 : 4;
-    for (size_t c = 0; c < n; c += rows_per_block) {
-        size_t R = n - c < rows_per_block ? n - c : rows_per_block;
-        for (size_t i = 0; i < m; i += 4) {
-            size_t T = m - i < 4 ? m - i : 4;
-#define QSI8_CALL(R, T) qsi8_block(R, T, k, w + c * w_stride, w_stride, xq + i * xq_stride, \
-                                   xq_stride, x_scale + i, x_sum + i, w_scale + c,            \
-                                   y + i * y_stride + c, y_stride)
-#define QSI8_CALL_T(R)                                                                         \
-    switch (T) {                                                                               \
-    case 1: QSI8_CALL(R, 1); break;                                                            \
-    case 2: QSI8_CALL(R, 2); break;                                                            \
-    case 3: QSI8_CALL(R, 3); break;                                                            \
-    default: QSI8_CALL(R, 4); break;                                                           \
-    }
-            switch (R) {
-            case 1: QSI8_CALL_T(1) break;
-            case 2: QSI8_CALL_T(2) break;
-            case 3: QSI8_CALL_T(3) break;
-            default: QSI8_CALL_T(4) break;
+#define QSI8_CALL(R, T, c, i)                                                                  \
+    qsi8_block(R, T, k, w + (c) * w_stride, w_stride, xq + (i) * xq_stride, xq_stride,        \
+               x_scale + (i), x_sum + (i), w_scale + (c), y + (i) * y_stride + (c), y_stride)
+    if (m <= 4) { /* one row at a time: a single linear stream that the prefetcher follows best */
+        for (size_t c = 0; c < n; c++) {
+            switch (m) {
+            case 1: QSI8_CALL(1, 1, c, 0); break;
+            case 2: QSI8_CALL(1, 2, c, 0); break;
+            case 3: QSI8_CALL(1, 3, c, 0); break;
+            default: QSI8_CALL(1, 4, c, 0); break;
             }
-#undef QSI8_CALL_T
-#undef QSI8_CALL
+        }
+        return;
+    }
+    /* QSI8_R rows x QSI8_T tokens per block (register reuse); remainders row by row, token by token */
+    for (size_t c = 0; c < n; c += QSI8_R) {
+        for (size_t i = 0; i < m; i += QSI8_T) {
+            size_t R = n - c < QSI8_R ? n - c : QSI8_R, T = m - i < QSI8_T ? m - i : QSI8_T;
+            if (R == QSI8_R && T == QSI8_T) {
+                QSI8_CALL(QSI8_R, QSI8_T, c, i);
+            } else if (R == QSI8_R) {
+                for (size_t t = 0; t < T; t++) QSI8_CALL(QSI8_R, 1, c, i + t);
+            } else {
+                for (size_t r = 0; r < R; r++)
+                    for (size_t t = 0; t < T; t++) QSI8_CALL(1, 1, c + r, i + t);
+            }
         }
     }
+#undef QSI8_CALL
 }
 
 static void matmul_bf16_avx512(size_t m, size_t n, size_t k, const float *x, size_t x_stride,
