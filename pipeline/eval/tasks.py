@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from pipeline.eval import extract, metrics
@@ -67,7 +68,7 @@ class Benchmark:
     hub_id: str
     config: str | None
     split: str
-    to_example: Callable[[str, int, dict], EvalExample]
+    to_example: Callable[[str, int, dict], EvalExample]  # (task, source row, row)
 
 
 def _rgb(image) -> Image.Image:
@@ -146,8 +147,9 @@ def load_benchmark(name: str, n: int = DEFAULT_N, seed: int = 0, source: str | N
         raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
     bench = BENCHMARKS[name]
     ds = _load_dataset(bench, source or bench.hub_id)
-    ds = ds.shuffle(seed=seed).select(range(min(n, len(ds))))
-    return [bench.to_example(name, i, row) for i, row in enumerate(ds)]
+    # the permutation datasets' shuffle(seed) uses, kept so that each example knows its source row
+    rows = np.random.default_rng(seed).permutation(len(ds))[:n].tolist()
+    return [bench.to_example(name, r, row) for r, row in zip(rows, ds.select(rows))]
 
 
 # --- toy tasks ------------------------------------------------------------------------------------------
