@@ -110,9 +110,10 @@ int s3d8_variant_find(const char *name);       /* index, or -1 */
  * otherwise the fastest supported one. */
 int s3d8_variant_default(void);
 
-/* The drivers split output channels (whole groups of 3 for S3D8) into `threads` contiguous blocks;
- * every channel is computed by one thread with the same arithmetic, so results do not depend on
- * the thread count. They return 0, or -1 for an invalid variant. */
+/* The drivers split output channels (whole groups of 3 for S3D8) into contiguous chunks that
+ * `threads` threads take in turn; every channel is computed by one thread with the same
+ * arithmetic, so results do not depend on the thread count. They return 0, or -1 for an invalid
+ * variant. */
 int s3d8_quant(int v, int threads, size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
                size_t xq_stride, float *x_scale, int32_t *x_sum);
 int s3d8_decode(int v, int threads, size_t n, size_t k, const uint8_t *packed,

@@ -1,8 +1,8 @@
 /* Variant table, CPU feature detection and the threaded drivers.
  *
- * Threads split output channels (whole groups of 3 for S3D8) into contiguous blocks, one per
- * thread, so every output is computed by one thread with the same arithmetic whatever the thread
- * count. OpenMP is optional: without it the drivers run on the calling thread. */
+ * Threads split output channels (whole groups of 3 for S3D8) into contiguous chunks, so every
+ * output is computed by one thread with the same arithmetic whatever the thread count. OpenMP is
+ * optional: without it the drivers run on the calling thread. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -92,17 +92,22 @@ static void block_of(size_t total, int parts, int part, size_t *begin, size_t *e
     *end = *begin + q + (p < r ? 1 : 0);
 }
 
-/* Run body(ctx, part, begin, end) over [0, total) split into `threads` blocks. */
+/* Run body(ctx, part, begin, end) over [0, total) with `threads` threads; `part` is the calling
+ * thread's number (for per-thread workspaces). The range is cut into CHUNKS_PER_THREAD contiguous
+ * chunks per thread, handed out dynamically: on a shared machine a thread that is descheduled
+ * leaves its chunks to the others instead of holding everyone up. */
 typedef void range_fn(const void *ctx, int part, size_t begin, size_t end);
+#define CHUNKS_PER_THREAD 8
 
 static void parallel_for(int threads, size_t total, range_fn *body, const void *ctx) {
     if (threads > (int)total) threads = total > 0 ? (int)total : 1;
 #ifdef _OPENMP
     if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-        {
+        size_t chunks = (size_t)threads * CHUNKS_PER_THREAD < total ? (size_t)threads * CHUNKS_PER_THREAD : total;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (size_t c = 0; c < chunks; c++) {
             size_t b, e;
-            block_of(total, omp_get_num_threads(), omp_get_thread_num(), &b, &e);
+            block_of(total, (int)chunks, (int)c, &b, &e);
             if (b < e) body(ctx, omp_get_thread_num(), b, e);
         }
         return;
