@@ -146,6 +146,9 @@ static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
                                size_t y_stride) {
     __m512i l0 = bias_lut(luts), l1 = bias_lut(luts + 64), l2 = bias_lut(luts + 128);
     size_t k16 = S3D8_PAD16(k);
+    /* start the stream: the loop's prefetch runs PREFETCH_BYTES ahead of the first loads */
+    for (size_t b = 0; b < PREFETCH_BYTES && b < S3D8_GROUPS(n) * k16; b += 64)
+        _mm_prefetch((const char *)packed + b, S3D8_HINT);
     for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
