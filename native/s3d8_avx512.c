@@ -8,28 +8,25 @@
  *
  * m = 1 is bound by memory bandwidth: the packed matrix is walked row after row, one linear stream,
  * with a software prefetch ahead of the loads (one core cannot keep enough DRAM reads in flight
- * from the hardware prefetcher alone on this kind of machine, see shared/notes/perf-anchors.md). */
+ * from the hardware prefetcher alone on these machines; see the project's perf notes). */
 #include <immintrin.h>
 #include <string.h>
 
 #include "s3d8.h"
 #include "s3d8_internal.h"
 
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 512 /* distance ahead of the weight stream */
+/* Tuned on a Zen 4 VM (shared): 512 B ahead beat 1-4 KiB. Overridable with -D for experiments. */
+#ifndef S3D8_PREFETCH_BYTES
+#define S3D8_PREFETCH_BYTES 512
+#define S3D8_PREFETCH_HINT _MM_HINT_T0
 #endif
-#ifndef S3D8_HINT
-#define S3D8_HINT _MM_HINT_T0
+#ifndef QSI8_PREFETCH_BYTES
+#define QSI8_PREFETCH_BYTES 512
+#define QSI8_PREFETCH_HINT _MM_HINT_T1 /* into L2: leaves L1 fill buffers to the demand loads */
 #endif
-#ifndef QSI8_R /* INT8 product block for many tokens: rows x tokens accumulators */
-#define QSI8_R 4
-#define QSI8_T 4
-#endif
-#ifndef QSI8_PF
-#define QSI8_PF 512
-#endif
-#ifndef QSI8_HINT
-#define QSI8_HINT _MM_HINT_T1 /* into L2: keeps L1 fill buffers free for the demand loads */
+#ifndef QSI8_BLOCK_ROWS /* INT8 product for many tokens: rows x tokens accumulators per block */
+#define QSI8_BLOCK_ROWS 4
+#define QSI8_BLOCK_TOKENS 4
 #endif
 
 static inline __m512i bias_lut(const int8_t *lut) {
@@ -120,7 +117,7 @@ static inline __attribute__((always_inline)) void s3d8_group_tokens(
         for (int j = 0; j < 3; j++) acc[t][j] = _mm512_setzero_si512();
     size_t c = 0;
     for (; c + 64 <= k16; c += 64) {
-        _mm_prefetch((const char *)row + c + PREFETCH_BYTES, S3D8_HINT);
+        _mm_prefetch((const char *)row + c + S3D8_PREFETCH_BYTES, S3D8_PREFETCH_HINT);
         decode64(_mm512_loadu_si512(row + c), l0, l1, l2, w);
         for (int t = 0; t < T; t++) {
             __m512i xv = _mm512_loadu_si512(xq + t * xq_stride + c);
@@ -146,9 +143,9 @@ static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
                                size_t y_stride) {
     __m512i l0 = bias_lut(luts), l1 = bias_lut(luts + 64), l2 = bias_lut(luts + 128);
     size_t k16 = S3D8_PAD16(k);
-    /* start the stream: the loop's prefetch runs PREFETCH_BYTES ahead of the first loads */
-    for (size_t b = 0; b < PREFETCH_BYTES && b < S3D8_GROUPS(n) * k16; b += 64)
-        _mm_prefetch((const char *)packed + b, S3D8_HINT);
+    /* start the stream: the loop's prefetch runs S3D8_PREFETCH_BYTES ahead of the first loads */
+    for (size_t b = 0; b < S3D8_PREFETCH_BYTES && b < S3D8_GROUPS(n) * k16; b += 64)
+        _mm_prefetch((const char *)packed + b, S3D8_PREFETCH_HINT);
     for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
@@ -172,13 +169,13 @@ static inline __attribute__((always_inline)) void qsi8_block(
     int R, int T, size_t k, const int8_t *w, size_t w_stride, const int8_t *xq, size_t xq_stride,
     const float *x_scale, const int32_t *x_sum, const uint16_t *w_scale, float *y, size_t y_stride) {
     const __m512i bias = _mm512_set1_epi8((char)0x80);
-    __m512i acc[QSI8_T][QSI8_R], wv[QSI8_R];
+    __m512i acc[QSI8_BLOCK_TOKENS][QSI8_BLOCK_ROWS], wv[QSI8_BLOCK_ROWS];
     for (int t = 0; t < T; t++)
         for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_si512();
     size_t c = 0;
     for (; c + 64 <= k; c += 64) {
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(w + r * w_stride + c) + QSI8_PF, QSI8_HINT);
+            _mm_prefetch((const char *)(w + r * w_stride + c) + QSI8_PREFETCH_BYTES, QSI8_PREFETCH_HINT);
             wv[r] = _mm512_xor_si512(_mm512_loadu_si512(w + r * w_stride + c), bias);
         }
         for (int t = 0; t < T; t++) {
@@ -217,14 +214,15 @@ static void matmul_qsi8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
         }
         return;
     }
-    /* QSI8_R rows x QSI8_T tokens per block (register reuse); remainders row by row, token by token */
-    for (size_t c = 0; c < n; c += QSI8_R) {
-        for (size_t i = 0; i < m; i += QSI8_T) {
-            size_t R = n - c < QSI8_R ? n - c : QSI8_R, T = m - i < QSI8_T ? m - i : QSI8_T;
-            if (R == QSI8_R && T == QSI8_T) {
-                QSI8_CALL(QSI8_R, QSI8_T, c, i);
-            } else if (R == QSI8_R) {
-                for (size_t t = 0; t < T; t++) QSI8_CALL(QSI8_R, 1, c, i + t);
+    /* blocks of rows x tokens for register reuse; the remainders row by row, token by token */
+    for (size_t c = 0; c < n; c += QSI8_BLOCK_ROWS) {
+        for (size_t i = 0; i < m; i += QSI8_BLOCK_TOKENS) {
+            size_t R = n - c < QSI8_BLOCK_ROWS ? n - c : QSI8_BLOCK_ROWS;
+            size_t T = m - i < QSI8_BLOCK_TOKENS ? m - i : QSI8_BLOCK_TOKENS;
+            if (R == QSI8_BLOCK_ROWS && T == QSI8_BLOCK_TOKENS) {
+                QSI8_CALL(QSI8_BLOCK_ROWS, QSI8_BLOCK_TOKENS, c, i);
+            } else if (R == QSI8_BLOCK_ROWS) {
+                for (size_t t = 0; t < T; t++) QSI8_CALL(QSI8_BLOCK_ROWS, 1, c, i + t);
             } else {
                 for (size_t r = 0; r < R; r++)
                     for (size_t t = 0; t < T; t++) QSI8_CALL(1, 1, c + r, i + t);
@@ -243,7 +241,7 @@ static void matmul_bf16_avx512(size_t m, size_t n, size_t k, const float *x, siz
             __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
             size_t j = 0;
             for (; j + 32 <= k; j += 32) {
-                _mm_prefetch((const char *)(wr + j) + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)(wr + j) + QSI8_PREFETCH_BYTES, QSI8_PREFETCH_HINT);
                 __m512i b = _mm512_loadu_si512(wr + j);
                 __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16));
                 __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16));
