@@ -174,6 +174,8 @@ def build_program(name: str, cc: list[str] | None = None, out: Path | None = Non
     extra = ["-g", f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"] if sanitize else []
     objects = compile_library(cc, out.parent / "obj", extra)
     link = (["-static"] if static else []) + extra + ["-fopenmp", "-lm"]
+    if "android" in triple:
+        link.append("-static-openmp")  # the NDK's libomp is not on the device
     run([*cc, *COMMON_FLAGS, *extra, "-fopenmp", "-I", str(NATIVE), str(NATIVE / f"{name}.c"),
          *map(str, objects), "-o", str(out), *link])
     return out
