@@ -157,7 +157,7 @@ def make_impls(m: int, k: int, n: int, threads: int, p: BenchParams, gen: torch.
                                                         path=path))
     add("int8", INT_MM, torch_variant, "int8", lambda w: torch._int_mm(xq, w.t()))
     add("int8", "torch dynamic int8 Linear (fbgemm)", torch_variant, "fbgemm", lambda layer: layer(x))
-    if m == 1:
+    if m == 1 and threads == 1:  # the probe reads on one thread
         add("read", "memory read (bandwidth probe)", lib_variant, "int8",
             lambda w: native.read_bandwidth_probe(w.view(torch.uint8)), product=False)
     add("bf16", "torch F.linear", torch_variant, "bf16", lambda w: F.linear(x_bf16, w))
