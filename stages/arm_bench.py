@@ -96,8 +96,11 @@ class Impl:
     times: list[float] = field(default_factory=list)
 
 
+MAX_COPIES = 4096  # tiny weights: enough copies to leave L1/L2, without minutes of set-up
+
+
 def n_copies(nbytes: int, p: BenchParams) -> int:
-    return 1 if p.hot else max(1, math.ceil(p.rotate_mb * 2 ** 20 / nbytes))
+    return 1 if p.hot else min(MAX_COPIES, max(1, math.ceil(p.rotate_mb * 2 ** 20 / nbytes)))
 
 
 def make_impls(m: int, k: int, n: int, threads: int, p: BenchParams, gen: torch.Generator) -> list[Impl]:
