@@ -130,13 +130,13 @@ def make_impls(m: int, k: int, n: int, threads: int, p: BenchParams, gen: torch.
     for name, make in makers.items():
         first = make()
         pools[name] = [first] + [first.clone() for _ in range(n_copies(pool_bytes[name], p) - 1)]
-    w_scales = scale.float().flatten()
-    pools["fbgemm"] = [torch._make_per_channel_quantized_tensor(w, w_scales, torch.zeros(n, dtype=torch.long), 0)
-                       for w in pools["int8"]]
+    w_scales, zeros = scale.float().flatten(), torch.zeros(n, dtype=torch.long)
     layers = []
-    for qw in pools["fbgemm"]:
-        layer = torch.ao.nn.quantized.dynamic.Linear(k, n, dtype=torch.qint8)
-        layer.set_weight_bias(qw, None)
+    for w in pools["int8"]:
+        with warnings.catch_warnings():  # torch deprecates the quantized tensors it still uses here
+            warnings.simplefilter("ignore", UserWarning)
+            layer = torch.ao.nn.quantized.dynamic.Linear(k, n, dtype=torch.qint8)
+            layer.set_weight_bias(torch._make_per_channel_quantized_tensor(w, w_scales, zeros, 0), None)
         layers.append(layer)
     pools["fbgemm"], pool_bytes["fbgemm"] = layers, n * k
 
@@ -412,7 +412,6 @@ def run(p: BenchParams, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--shapes", help="comma-separated MxKxN, e.g. 1x4096x14336,128x4096x4096")
