@@ -12,53 +12,25 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import GenerationConfig
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn  # noqa: E402
-from transformers import GenerationConfig  # noqa: E402
-
-from pipeline import params  # noqa: E402
-from pipeline.io import atomic_open, write_json  # noqa: E402
-from pipeline.toy import tasks  # noqa: E402
-from pipeline.toy.model import ModelSize, build_model, count_parameters, tiny_config  # noqa: E402
-from pipeline.toy.processor import build_processor, text_vocab_size  # noqa: E402
-from pipeline.toy.train import TrainSettings, train  # noqa: E402
+from pipeline import params
+from pipeline.io import atomic_open, write_json
+from pipeline.stage import console, progress, set_threads, stage_errors, versions
+from pipeline.toy import tasks
+from pipeline.toy.model import build_model, count_parameters, tiny_config
+from pipeline.toy.processor import build_processor, text_vocab_size
+from pipeline.toy.settings import ToyTeacherParams
+from pipeline.toy.train import train
 
 
-@dataclass
-class EvalSettings:
-    """``toy_teacher.eval``: the evaluation of the committed teacher (stage ``toy-teacher-eval``)."""
-
-    n: int = 1024  # held-out items per task
-    seed: int = 0
-    batch_size: int = 64
-
-
-@dataclass
-class ToyTeacherParams:
-    seed: int = 0
-    out: str = "data/toy-teacher"
-    reports: str = "reports/toy_teacher"
-    threads: int = 1
-    vocab_size: int = 2048  # BPE target; the toy corpus saturates below it
-    corpus_items: int = 2000  # training items per task whose text trains the tokenizer
-    position_std: float = 0.5
-    model: ModelSize = field(default_factory=ModelSize)
-    train: TrainSettings = field(default_factory=TrainSettings)
-    eval: EvalSettings = field(default_factory=EvalSettings)
-    # sampling defaults saved in generation_config.json: what a plain generate() does (SPEC section 5)
-    temperature: float = 0.6
-    top_p: float = 0.9
-    max_new_tokens: int = 128
+REPORTS = Path("reports/toy_teacher")
 
 
 def save_atomically(model, processor, generation_config: GenerationConfig, out: Path) -> None:
@@ -83,8 +55,7 @@ def save_atomically(model, processor, generation_config: GenerationConfig, out: 
 
 def main() -> None:
     p = params.load(ToyTeacherParams, "toy_teacher")
-    torch.set_num_threads(p.threads)
-    console = Console(stderr=True)
+    set_threads(p.threads)
     t0 = time.perf_counter()
     processor = build_processor(tasks.text_corpus(p.corpus_items, p.seed), vocab_size=p.vocab_size)
     config = tiny_config(p.model, text_vocab_size(processor))
@@ -92,16 +63,15 @@ def main() -> None:
     console.print(f"toy teacher: {count_parameters(model):,} parameters, vocabulary {len(processor.tokenizer)}, "
                   f"{p.train.steps} steps of batch {p.train.batch_size}, seed {p.seed}")
 
-    reports = Path(p.reports)
+    reports = REPORTS
     rows: list[dict] = []
-    columns = TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()
-    with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("training", total=p.train.steps)
+    with progress() as bars:
+        bar = bars.add_task("training", total=p.train.steps)
 
         def on_step(row: dict) -> None:
             rows.append(row)
             scores = "".join(f" {k.split('/')[1]}={v:.2f}" for k, v in row.items() if k.startswith("heldout/"))
-            progress.update(bar, advance=1, description=f"training loss {row['loss']:.3f}{scores}")
+            bars.update(bar, advance=1, description=f"training, loss {row['loss']:.3f}")
             if scores:
                 console.print(f"step {row['step']}: held-out{scores}")
 
@@ -129,11 +99,12 @@ def main() -> None:
         "train_seconds": round(train_seconds, 1),
         "threads": p.threads,
         "final_heldout": {k: v for k, v in rows[-1].items() if k.startswith("heldout/")} if rows else {},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0]},
+        "versions": versions(),
         "params": asdict(p),
     })
     console.print(f"saved {p.out} after {train_seconds / 60:.1f} min")
 
 
 if __name__ == "__main__":
-    main()
+    with stage_errors("toy-teacher"):
+        main()

@@ -1,5 +1,5 @@
 """toy-chartqa (mirrors ChartQA): bar charts of 3-4 coloured bars with values 1-9 on a gridded axis;
-questions on the tallest / shortest bar, a bar's value and the number of bars; relaxed accuracy."""
+questions on the tallest / shortest bar, the highest / lowest value and a bar's value; relaxed accuracy."""
 
 from __future__ import annotations
 
@@ -56,22 +56,26 @@ def render(scene: Scene) -> Image.Image:
 
 
 def question(scene: Scene, rng: random.Random) -> tuple[str, str, list[str]]:
-    """(question, canonical answer, reference labels)."""
-    kind = rng.choices(["tallest", "shortest", "value", "count"], weights=[0.25, 0.25, 0.4, 0.1])[0]
+    """(question, canonical answer, reference labels). Mostly about the whole chart (the tallest or shortest
+    bar, the highest or lowest value); sometimes about one bar found by its colour."""
+    kind = rng.choices(["tallest", "highest", "shortest", "lowest", "value"], weights=[0.3, 0.3, 0.1, 0.1, 0.2])[0]
+    top = max(scene.bars, key=lambda b: b.value)
+    low = min(scene.bars, key=lambda b: b.value)
     if kind == "tallest":
-        bar = max(scene.bars, key=lambda b: b.value)
         q = rng.choice(["Which bar is the tallest?", "Which color is the tallest bar?", "Which bar has the highest value?"])
-        return q, bar.color, [bar.color]
+        return q, top.color, [top.color]
+    if kind == "highest":
+        q = rng.choice(["What is the highest value in the chart?", "What is the value of the tallest bar?"])
+        return q, str(top.value), [str(top.value)]
     if kind == "shortest":
-        bar = min(scene.bars, key=lambda b: b.value)
         q = rng.choice(["Which bar is the shortest?", "Which color is the shortest bar?", "Which bar has the lowest value?"])
-        return q, bar.color, [bar.color]
-    if kind == "value":
-        bar = rng.choice(scene.bars)
-        q = rng.choice([f"What is the value of the {bar.color} bar?", f"How high is the {bar.color} bar?"])
-        return q, str(bar.value), [str(bar.value)]
-    q = "How many bars are in the chart?"
-    return q, str(len(scene.bars)), [str(len(scene.bars))]
+        return q, low.color, [low.color]
+    if kind == "lowest":
+        q = rng.choice(["What is the lowest value in the chart?", "What is the value of the shortest bar?"])
+        return q, str(low.value), [str(low.value)]
+    bar = rng.choice(scene.bars)
+    q = rng.choice([f"What is the value of the {bar.color} bar?", f"How high is the {bar.color} bar?"])
+    return q, str(bar.value), [str(bar.value)]
 
 
 def facts(scene: Scene, colors: bool = True) -> Facts:

@@ -185,6 +185,7 @@ def _content(f: Facts, r: Reading) -> tuple[str, list[str], str]:
         items, short, medium, extra = list(f.items), f.caption, f.summary, f.details
         if t == "caption":
             length = "short"
+    extra = [e for e in extra if e != medium][:2]  # long answers: at most two sentences more
     if r.listing:
         listed = ", ".join(items)
         body = {"short": listed, "medium": _sentence(listed), "long": " ".join([_sentence(listed), *extra[:1]])}[length]

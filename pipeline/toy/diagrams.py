@@ -1,5 +1,6 @@
 """toy-ai2d (mirrors AI2D): flow diagrams of three shapes joined by arrows (left to right or right to left);
-multiple-choice questions on the order of the stages, with the four shape names as options; accuracy."""
+multiple-choice questions on where the flow starts and ends and on the missing shape, with the four shape
+names as options; accuracy."""
 
 from __future__ import annotations
 
@@ -52,24 +53,17 @@ def render(scene: Scene) -> Image.Image:
 
 
 def question(scene: Scene, rng: random.Random) -> tuple[str, str, list[str]]:
-    """(question, correct option text, options in presentation order)."""
+    """(question, correct option text, options). The options are the four shape names, always in the same
+    order: the answer is what the diagram shows, not where the option was listed."""
     flow = scene.flow
-    kind = rng.choice(["first", "last", "after", "before", "missing"])
+    kind = rng.choice(["first", "last", "missing"])
     if kind == "first":
-        q, answer = "Which stage comes first in the diagram?", flow[0]
+        q, answer = rng.choice(["Which stage comes first in the diagram?", "Where does the flow start?"]), flow[0]
     elif kind == "last":
-        q, answer = "Which stage comes last in the diagram?", flow[-1]
-    elif kind == "after":
-        i = rng.randrange(2)
-        q, answer = f"Which stage comes right after the {flow[i]}?", flow[i + 1]
-    elif kind == "before":
-        i = rng.randrange(1, 3)
-        q, answer = f"Which stage comes right before the {flow[i]}?", flow[i - 1]
+        q, answer = rng.choice(["Which stage comes last in the diagram?", "Where does the flow end?"]), flow[-1]
     else:
         q, answer = "Which shape is not in the diagram?", next(s for s in draw.SHAPES if s not in flow)
-    options = list(draw.SHAPES)
-    rng.shuffle(options)
-    return q, answer, options
+    return q, answer, list(draw.SHAPES)
 
 
 def facts(scene: Scene, colors: bool = True) -> Facts:

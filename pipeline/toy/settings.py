@@ -22,7 +22,6 @@ class EvalSettings:
 class ToyTeacherParams:
     seed: int = 0
     out: str = "data/toy-teacher"
-    reports: str = "reports/toy_teacher"
     threads: int = 1
     vocab_size: int = 2048  # BPE target; the toy corpus saturates below it
     corpus_items: int = 2000  # training items per task whose text trains the tokenizer

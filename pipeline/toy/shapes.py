@@ -38,7 +38,7 @@ class Scene:
 
 
 def sample(rng: random.Random) -> Scene:
-    n = rng.randint(1, 4)
+    n = 1 if rng.random() < 0.4 else rng.randint(2, 4)
     colors = rng.sample(sorted(draw.COLORS), n)
     shapes = rng.sample(draw.SHAPES, n)
     cells = rng.sample(range(4), n)
@@ -70,18 +70,33 @@ def _annotators(rng: random.Random, variants: list[str], wrong: list[str], p_wro
     return refs
 
 
+def _yes_no(rng: random.Random, answer: str) -> list[str]:
+    other = "no" if answer == "yes" else "yes"
+    return _annotators(rng, [answer, answer.capitalize(), f"{answer}."], [other], p_wrong=0.05)
+
+
 def question(scene: Scene, rng: random.Random) -> tuple[str, str, list[str]]:
-    """(question, canonical answer, ten reference answers)."""
-    kind = rng.choices(["color", "shape", "count", "exist"], weights=[0.3, 0.2, 0.2, 0.3])[0]
+    """(question, canonical answer, ten reference answers).
+
+    Colour and shape questions name the object when there is one; with several, "What color is the circle?"
+    (finding the object first) is asked less often than questions about the whole picture (counts, whether a
+    colour or shape is present)."""
     colors, shapes = sorted(draw.COLORS), list(draw.SHAPES)
+    single = len(scene.things) == 1
+    if single:
+        kind = rng.choices(["color", "shape", "count", "has_color"], weights=[0.35, 0.3, 0.1, 0.25])[0]
+    else:
+        kind = rng.choices(["count", "has_color", "has_shape", "color"], weights=[0.35, 0.3, 0.15, 0.2])[0]
     if kind == "color":
         t = rng.choice(scene.things)
         q = rng.choice([f"What color is the {t.shape}?", f"What is the color of the {t.shape}?"])
+        if single:
+            q = rng.choice([q, "What color is the shape?"])
         others = [c for c in colors if c != t.color]
         return q, t.color, _annotators(rng, [t.color, t.color.capitalize(), f"{t.color}."], others)
     if kind == "shape":
-        t = rng.choice(scene.things)
-        q = rng.choice([f"What shape is the {t.color} object?", f"Which shape is {t.color}?"])
+        t = scene.things[0]
+        q = rng.choice(["What shape is shown?", "What shape is it?", f"What shape is the {t.color} object?"])
         others = [s for s in shapes if s != t.shape]
         return q, t.shape, _annotators(rng, [t.shape, f"a {t.shape}", t.shape.capitalize()], others)
     if kind == "count":
@@ -89,23 +104,16 @@ def question(scene: Scene, rng: random.Random) -> tuple[str, str, list[str]]:
         q = rng.choice(["How many shapes are there?", "How many shapes are in the image?"])
         others = [str(k) for k in (n - 1, n + 1) if k >= 1]
         return q, str(n), _annotators(rng, [str(n), NUMBER_WORDS[n]], others)
-    # yes / no, half and half; a "no" changes one attribute of a present thing, so it is a near miss
-    t = rng.choice(scene.things)
-    present = {(x.color, x.shape) for x in scene.things}
-    if rng.random() < 0.5:
-        color, shape, answer = t.color, t.shape, "yes"
-    else:
-        while True:
-            if rng.random() < 0.5:
-                color, shape = rng.choice(colors), t.shape
-            else:
-                color, shape = t.color, rng.choice(shapes)
-            if (color, shape) not in present:
-                break
-        answer = "no"
-    q = f"Is there {a(f'{color} {shape}')}?"
-    other = "no" if answer == "yes" else "yes"
-    return q, answer, _annotators(rng, [answer, answer.capitalize(), f"{answer}."], [other], p_wrong=0.05)
+    if kind == "has_color":  # yes / no, half and half
+        present = {t.color for t in scene.things}
+        color = rng.choice(sorted(present) if rng.random() < 0.5 else [c for c in colors if c not in present])
+        answer = "yes" if color in present else "no"
+        return f"Is there {a(color)} shape?", answer, _yes_no(rng, answer)
+    present = {t.shape for t in scene.things}
+    absent = [s for s in shapes if s not in present]
+    shape = rng.choice(sorted(present) if rng.random() < 0.5 or not absent else absent)
+    answer = "yes" if shape in present else "no"
+    return f"Is there {a(shape)}?", answer, _yes_no(rng, answer)
 
 
 # --- description -----------------------------------------------------------------------------------------
