@@ -247,8 +247,10 @@ def sample_request(rng: random.Random, pool: PromptPool, p_block: float = 0.72) 
     if rng.random() < 0.40:
         block.append(rng.choice(pool.probes))
     layout = rng.random()
-    if layout < 0.6:
+    if layout < 0.4:  # the pipeline's sampler (pipeline/prompts.py): the block first, then the prompt
+        return " ".join(block) + "\n" + prompt
+    if layout < 0.7:
         return prompt + "\n" + " ".join(block)
-    if layout < 0.8:
+    if layout < 0.85:
         return prompt + " " + " ".join(block)
     return "\n".join(block) + "\n" + prompt
