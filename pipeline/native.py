@@ -40,10 +40,11 @@ PATHS = ("fused", "tiled", "torch")
 # Path choice (measured by the arm-bench stage, see reports/bench.md): the fused kernel streams the
 # packed bytes once and wins while the product is memory-bound; above FUSED_MAX_M tokens the weights
 # are decoded to INT8 a tile at a time. The library's own INT8 kernel beats torch's oneDNN GEMM up to
-# a few hundred tokens on AVX-512 without AMX; beyond TORCH_MIN_M (or at once where AMX exists)
-# torch._int_mm is faster.
+# a few hundred tokens on AVX-512 without AMX, for k up to a few thousand; beyond TORCH_MIN_M tokens
+# or TORCH_MIN_K inputs (or at once where AMX exists) torch._int_mm is faster.
 FUSED_MAX_M = 16
 TORCH_MIN_M = 512
+TORCH_MIN_K = 8192
 TILE_GROUPS = 32                  # tiled path: 96 channels per tile and thread (stays in L2)
 TORCH_TILE_BYTES = 32 << 20       # torch path: INT8 bytes decoded per torch._int_mm call
 
@@ -237,11 +238,11 @@ def s3d8_encode(weight: torch.Tensor, table: torch.Tensor, threads: int | None =
     return packed, scale
 
 
-def _choose_path(path: str | None, m: int) -> str:
+def _choose_path(path: str | None, m: int, k: int) -> str:
     if path is None:
         if m <= FUSED_MAX_M:
             return "fused"
-        return "torch" if _X86 and (_AMX or m >= TORCH_MIN_M) else "tiled"
+        return "torch" if _X86 and (_AMX or m >= TORCH_MIN_M or k >= TORCH_MIN_K) else "tiled"
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
     return path
@@ -275,7 +276,7 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
     y = torch.empty(m, d_out, dtype=torch.float32)
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
-    chosen = _choose_path(path, m)
+    chosen = _choose_path(path, m, d_in)
     if chosen == "fused":  # one C call: quantise into a reused workspace, then the fused kernel
         work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
         lib.s3d8_linear_s3d8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, packed.data_ptr(),
@@ -317,7 +318,7 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(m, d_out, dtype=torch.float32)
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
-    if _choose_path(path, m) == "torch":
+    if _choose_path(path, m, d_in) == "torch":
         xq, xs, _ = _quantize(x2, v, t)
         _int_mm_epilogue(xq[:, :d_in], weight, xs, _ptr(scale, "uint16_t *"), y, v, t)
     else:  # "fused" and "tiled" are the same kernel for INT8 weights
