@@ -23,16 +23,21 @@ def channel_scale(x: torch.Tensor, qmax: float = INT8_MAX) -> torch.Tensor:
     return torch.where(absmax == 0, torch.ones_like(scale), scale)
 
 
+def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``round(x / scale)`` clamped to [-127, 127] (as float values) and the bf16 scales."""
+    if not x.is_floating_point():
+        raise ValueError(f"int8_activations: expected a floating-point tensor, got {x.dtype}")
+    scale = channel_scale(x)
+    return torch.round(x.detach().float() / scale.float()).clamp_(-INT8_MAX, INT8_MAX), scale
+
+
 def int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x`` per row to INT8: returns ``(int8 values, bfloat16 scales [..., 1])``.
 
     ``values * scales`` approximates ``x``; rounding is half to even (``torch.round``), matching
     ``rintf`` in the native kernels.
     """
-    if not x.is_floating_point():
-        raise ValueError(f"int8_activations: expected a floating-point tensor, got {x.dtype}")
-    scale = channel_scale(x)
-    q = torch.round(x.detach().float() / scale.float()).clamp_(-INT8_MAX, INT8_MAX)
+    q, scale = _rounded(x)
     return q.to(torch.int8), scale
 
 
@@ -60,8 +65,8 @@ def straight_through(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
 
 def fake_quant_activations(x: torch.Tensor) -> torch.Tensor:
     """INT8 round trip of activations (per token) with a straight-through gradient, in ``x``'s dtype."""
-    q, scale = int8_activations(x)
-    return straight_through(x, (q.float() * scale.float()).to(x.dtype))
+    q, scale = _rounded(x)        # the values of int8_activations, kept in float: no round trip
+    return straight_through(x, (q * scale.float()).to(x.dtype))
 
 
 def int8_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
