@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 import argparse  # noqa: E402
 import math
 import platform
+import random
 import re
 import statistics
 import time
@@ -195,8 +196,10 @@ def measure(m: int, k: int, n: int, threads: int, p: BenchParams) -> list[dict]:
     rounds = 0
     calls = 0
     while rounds < p.repeats + 1:       # round 0 warms up and is not recorded
-        for j in range(len(impls)):     # rotate the order so no implementation always runs first
-            impl = impls[(j + rounds) % len(impls)]
+        order = list(range(len(impls)))  # a new order every round: no implementation always
+        random.Random(p.seed * 1000 + rounds).shuffle(order)  # follows the same one (caches, pages)
+        for j in order:
+            impl = impls[j]
             calls += 1
             t0 = time.perf_counter()
             impl.call(calls)
