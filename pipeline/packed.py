@@ -177,6 +177,31 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
+class NativeS3D8Linear(nn.Module):
+    """A linear layer that runs the packed S3D8 bytes through the native fused / tiled kernels
+    (``pipeline.native.s3d8_matmul``: INT8 activations per token, exact int32 accumulation), as a
+    CPU deployment would. Equal to :class:`PackedLinear` up to float summation order."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], shape, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        from pipeline import native
+
+        self._native = native
+        self.shape = tuple(shape)
+        self.register_buffer("packed", tensors["packed"].contiguous(), persistent=False)
+        self.register_buffer("scale", tensors["scale"].contiguous(), persistent=False)
+        self.register_buffer("table", tensors["table"].contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.in_features, self.out_features = self.shape[1], self.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = self._native.s3d8_matmul(x2, self.packed, self.scale, self.table, self.shape)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
 class PackedEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, padding_idx: int | None) -> None:
         super().__init__()
@@ -192,10 +217,13 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 
 
 def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
-                      dtype: torch.dtype = torch.float32) -> nn.Module:
+                      dtype: torch.dtype = torch.float32, kernel: str = "torch") -> nn.Module:
     """Build the model from its config (stored in the file's metadata unless given), swap in a packed
     module wherever the file holds an encoded weight, and load every other tensor. A tensor the model
-    needs but the file lacks, or one the file has but the model does not, is an error naming it."""
+    needs but the file lacks, or one the file has but the model does not, is an error naming it.
+
+    ``kernel="torch"``: weights decoded once, ``F.linear`` on fake-quantised activations (the QAT
+    forward, bit for bit). ``kernel="native"`` (S3D8 only): the native kernels on the packed bytes."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     reader = CheckpointReader(path)
@@ -204,6 +232,11 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     if fmt not in CODECS:
         raise ValueError(f"{path}: metadata 'format' is {fmt!r}, not one of {sorted(CODECS)}")
     c = CODECS[fmt]
+    if kernel not in ("torch", "native"):
+        raise ValueError(f"kernel {kernel!r}: expected 'torch' or 'native'")
+    if kernel == "native" and (fmt != "s3d8" or not act_quant):
+        raise ValueError(f"kernel 'native' runs S3D8 with INT8 activations only (format {fmt!r}, "
+                         f"act_quant={act_quant})")
     if config is None:
         if "config" not in meta:
             raise ValueError(f"{path}: no model config in the metadata; pass config=")
@@ -226,8 +259,9 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
         if shape != tuple(module.weight.shape):
             raise ValueError(f"{path}: {saved!r} has logical shape {list(shape)}, the model expects "
                              f"{list(module.weight.shape)}")
+        tensors = {s: reader.get(k) for s, k in parts.items()}
         try:
-            weight = c.decode({s: reader.get(k) for s, k in parts.items()}, shape).to(dtype)
+            weight = c.decode(tensors, shape).to(dtype)
         except ValueError as e:
             raise ValueError(f"{path}: tensor {saved!r}: {e}") from None
         used.update(parts.values())
@@ -241,7 +275,10 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
                 bias = reader.get(bias_name).to(dtype)
                 used.add(bias_name)
                 covered.add(f"{module_name}.bias")
-            setattr(owner, child, PackedLinear(weight, bias, act_quant))
+            if kernel == "native":
+                setattr(owner, child, NativeS3D8Linear(tensors, shape, bias))
+            else:
+                setattr(owner, child, PackedLinear(weight, bias, act_quant))
         else:
             setattr(owner, child, PackedEmbedding(weight, module.padding_idx))
     state = {}

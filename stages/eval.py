@@ -42,6 +42,7 @@ class EvalParams:
     max_seq_len: int = 192
     sources: dict[str, str] = field(default_factory=dict)
     blind_baseline: bool = True
+    kernel: str = "torch"      # "native": S3D8 models run on the native kernels (packed bytes, int32 dots)
     threads: int | None = None
 
 
@@ -101,7 +102,7 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int, 
             if not path.exists():
                 raise FileNotFoundError(f"{path}: packed model not found (run pack-safetensors for {fmt})")
             meta = read_metadata(path)
-            model = load_packed_model(path, act_quant=p.act_quant)
+            model = load_packed_model(path, act_quant=p.act_quant, kernel=p.kernel if fmt == "s3d8" else "torch")
             score(f"{fmt}-{method}", model, fmt, method, float(meta["bits_per_param_nominal"]),
                   path.stat().st_size / 1e6)
             del model

@@ -100,3 +100,19 @@ def test_bad_packed_files_name_the_tensor(tiny_checkpoint, tmp_path):
     (tmp_path / "garbage.safetensors").write_bytes(b"\x00" * 20)
     with pytest.raises(ValueError, match="garbage.safetensors"):
         load_packed_model(tmp_path / "garbage.safetensors")
+
+
+def test_native_kernel_model_matches_the_decoded_model(tiny_checkpoint, tmp_path):
+    pytest.importorskip("pipeline._s3d8_native")
+    states = fit_all(tiny_checkpoint, "s3d8")
+    out = tmp_path / "s3d8.safetensors"
+    teacher = load_model(str(tiny_checkpoint), torch.float32)
+    write_packed(out, CheckpointReader(tiny_checkpoint), "s3d8", states, dtype=torch.float32,
+                 metadata={"config": teacher.config.to_dict()})
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        decoded = load_packed_model(out)(**inputs).logits
+        native = load_packed_model(out, kernel="native")(**inputs).logits
+    assert torch.allclose(native, decoded, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="native"):
+        load_packed_model(out, kernel="native", act_quant=False)
