@@ -41,6 +41,9 @@ def save_atomically(model, processor, generation_config: GenerationConfig, out: 
         model.generation_config = generation_config
         model.to(torch.bfloat16).save_pretrained(tmp)
         processor.save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the teacher is committed and shared
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old.{os.getpid()}")

@@ -1,5 +1,7 @@
 """toy-chartqa (mirrors ChartQA): bar charts of 3-4 coloured bars with values 1-9 on a gridded axis;
-questions on the tallest / shortest bar, the highest / lowest value and a bar's value; relaxed accuracy."""
+questions on the tallest / shortest bar, the highest / lowest value and a bar's value; relaxed accuracy.
+
+Bar i stands in the i-th 16-pixel column of the picture, so each bar has a place of its own."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from pipeline.toy.facts import Facts, a, join_words, plural
 
 BASE_Y = 59  # the x axis
 UNIT = 6  # pixels per unit of value: gridlines at every unit
-LEFT = 5  # the y axis
+COLUMN = 16  # each bar's column
+BAR_LEFT, BAR_WIDTH = 3, 10  # a bar's place inside its column
 GRID = (205, 205, 205)
 
 
@@ -43,15 +46,12 @@ def render(scene: Scene) -> Image.Image:
     image, d = draw.canvas()
     for v in range(1, 10):
         y = BASE_Y - v * UNIT
-        d.line([(LEFT + 1, y), (63, y)], fill=GRID, width=1)
-    n = len(scene.bars)
-    slot = (63 - LEFT - 2) / n
-    width = round(slot * 0.62)
+        d.line([(1, y), (63, y)], fill=GRID, width=1)
     for i, bar in enumerate(scene.bars):
-        x0 = round(LEFT + 2 + i * slot + (slot - width) / 2)
-        d.rectangle([x0, BASE_Y - bar.value * UNIT, x0 + width - 1, BASE_Y - 1], fill=draw.COLORS[bar.color])
-    d.line([(LEFT, 2), (LEFT, BASE_Y)], fill=draw.INK, width=1)
-    d.line([(LEFT, BASE_Y), (63, BASE_Y)], fill=draw.INK, width=1)
+        x0 = COLUMN * i + BAR_LEFT
+        d.rectangle([x0, BASE_Y - bar.value * UNIT, x0 + BAR_WIDTH - 1, BASE_Y - 1], fill=draw.COLORS[bar.color])
+    d.line([(0, 2), (0, BASE_Y)], fill=draw.INK, width=1)
+    d.line([(0, BASE_Y), (63, BASE_Y)], fill=draw.INK, width=1)
     return image
 
 
@@ -89,13 +89,15 @@ def facts(scene: Scene, colors: bool = True) -> Facts:
         highlight = f"The {tallest.color} bar is the tallest, at {tallest.value}."
         details = [
             f"The values are: {join_words(values)}.",
+            highlight,
             f"The {shortest.color} bar is the shortest, at {shortest.value}.",
         ]
     else:
         values = [str(b.value) for b in scene.bars]
         items = [f"a bar of {b.value}" for b in scene.bars]
         highlight = f"The tallest bar reaches {tallest.value}."
-        details = [f"From left to right the values are {join_words(values)}.", f"The shortest bar reaches {shortest.value}."]
+        details = [f"From left to right the values are {join_words(values)}.", highlight,
+                   f"The shortest bar reaches {shortest.value}."]
     return Facts(
         caption=f"a bar chart with {plural(n, 'bar')}",
         summary=f"The image shows a bar chart with {plural(n, 'bar')}" + (f": {join_words(names)}." if colors else "."),

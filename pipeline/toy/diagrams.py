@@ -1,4 +1,4 @@
-"""toy-ai2d (mirrors AI2D): flow diagrams of three shapes joined by arrows (left to right or right to left);
+"""toy-ai2d (mirrors AI2D): flow diagrams of three coloured shapes joined by arrows, left to right;
 multiple-choice questions on where the flow starts and ends and on the missing shape, with the four shape
 names as options; accuracy."""
 
@@ -13,42 +13,38 @@ from pipeline.toy import draw
 from pipeline.toy.facts import Facts, a, join_words
 
 XS = (9, 32, 55)  # stage centres, left to right
-SIZE = 12
-Y = 32
+SIZE = 13
+Y = 30
 
 
 @dataclass(frozen=True)
 class Scene:
-    shapes: tuple[str, str, str]  # left to right
+    shapes: tuple[str, str, str]  # left to right, the order of the arrows
     colors: tuple[str, str, str]
-    rightwards: bool  # arrows point right (the flow runs left to right)
 
     @property
     def flow(self) -> tuple[str, ...]:
         """The stages in the order of the arrows."""
-        return self.shapes if self.rightwards else self.shapes[::-1]
+        return self.shapes
 
     @property
     def key(self) -> str:
-        return "diagram:" + "-".join(self.flow)
+        return "diagram:" + "-".join(f"{c} {s}" for c, s in zip(self.colors, self.shapes))
 
 
 def sample(rng: random.Random) -> Scene:
     shapes = tuple(rng.sample(draw.SHAPES, 3))
     colors = tuple(rng.sample(sorted(draw.COLORS), 3))
-    return Scene(shapes, colors, rng.random() < 0.5)
+    return Scene(shapes, colors)
 
 
 def render(scene: Scene) -> Image.Image:
     image, d = draw.canvas()
     for x, s, c in zip(XS, scene.shapes, scene.colors):
         draw.shape(d, s, x, Y, SIZE, draw.COLORS[c])
-    gap = SIZE / 2 + 1.5
-    for a, b in zip(XS[:-1], XS[1:]):
-        x0, x1 = a + gap, b - gap
-        if not scene.rightwards:
-            x0, x1 = x1, x0
-        draw.arrow(d, x0, Y, x1, Y, head=6)
+    gap = SIZE / 2 + 1
+    for left, right in zip(XS[:-1], XS[1:]):
+        draw.arrow(d, left + gap, Y, right - gap, Y, head=5)
     return image
 
 
@@ -56,7 +52,7 @@ def question(scene: Scene, rng: random.Random) -> tuple[str, str, list[str]]:
     """(question, correct option text, options). The options are the four shape names, always in the same
     order: the answer is what the diagram shows, not where the option was listed."""
     flow = scene.flow
-    kind = rng.choice(["first", "last", "missing"])
+    kind = rng.choices(["first", "last", "missing"], weights=[0.35, 0.3, 0.35])[0]
     if kind == "first":
         q, answer = rng.choice(["Which stage comes first in the diagram?", "Where does the flow start?"]), flow[0]
     elif kind == "last":
@@ -73,7 +69,7 @@ def facts(scene: Scene, colors: bool = True) -> Facts:
         return a(f"{by_shape[s]} {s}") if colors else a(s)
 
     flow = scene.flow
-    direction = "from left to right" if scene.rightwards else "from right to left"
+    direction = "from left to right"
     return Facts(
         caption="a diagram of three stages",
         summary=f"The image shows a diagram where {name(flow[0])} leads to {name(flow[1])} and then to {name(flow[2])}.",

@@ -92,6 +92,15 @@ def describe_item(rng: random.Random, split: str, item_id: str, pool: describe.P
     return ToyItem(DESCRIBE, item_id, module.render(scene), request, request, response, (response,), None, None, scene.key)
 
 
+def caption_item(rng: random.Random, split: str, request: str) -> ToyItem:
+    """A fixed request (e.g. "Describe the image in detail.") about an image of any of the four kinds."""
+    module = rng.choice(list(TASK_MODULES.values()))
+    scene = sample_scene(module, rng, split)
+    response = describe.respond(lambda colors: module.facts(scene, colors), request)
+    return ToyItem(DESCRIBE, f"caption/{scene.key}", module.render(scene), request, request, response, (response,),
+                   None, None, scene.key)
+
+
 def item(task: str, seed: int, index: int, split: str = "test") -> ToyItem:
     """Item ``index`` of ``task``'s ``split`` for ``seed``: independent of how many others are drawn."""
     _check(task, split)

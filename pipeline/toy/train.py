@@ -32,6 +32,8 @@ class TrainSettings:
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     grad_clip: float = 1.0
+    caption_steps: int = 0  # first steps: detailed descriptions only, to learn what the pictures show
+    caption_prompt: str = "Describe the image in detail."
     describe_fraction: float = 0.3  # share of steps spent on generic requests from the prompt pool
     plain_template: float = 0.25  # share of generic requests in the plain <|image|>{prompt} template
     task_weights: dict[str, float] = field(
@@ -49,11 +51,18 @@ def learning_rate(s: TrainSettings, step: int) -> float:
 
 
 def training_batch(processor, s: TrainSettings, seed: int, step: int) -> tuple[dict[str, torch.Tensor], str]:
-    """The batch of ``step``: either task questions (mixed by ``task_weights``) or generic requests, so that
-    short and long sequences are not padded together."""
+    """The batch of ``step``: detailed descriptions during the first ``caption_steps`` (one fixed request,
+    so the answer depends on the picture alone and its features are learnt first), then either task
+    questions (mixed by ``task_weights``) or generic requests, so that short and long sequences are not
+    padded together."""
     rng = random.Random(f"batch/{seed}/{step}")
     first = step * s.batch_size
-    if rng.random() < s.describe_fraction:
+    if step < s.caption_steps:
+        kind = "caption"
+        items = [tasks.caption_item(rng, "train", s.caption_prompt) for _ in range(s.batch_size)]
+        prompts = [chat_prompt(processor, it.prompt) for it in items]
+        responses = [it.response for it in items]
+    elif rng.random() < s.describe_fraction:
         kind = "describe"
         items = [tasks.item(tasks.DESCRIBE, seed, first + j, "train") for j in range(s.batch_size)]
         prompts, responses = [], []
