@@ -74,3 +74,27 @@ def start_stage(cwd: Path, script: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
     return subprocess.Popen([sys.executable, str(REPO / "stages" / script), *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+_KILL_AT_CHECKPOINT = """
+import os, runpy, signal, sys
+import pipeline.qat.train as train
+save = train._save_checkpoint
+def save_then_die(*args, **kwargs):
+    save(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+train._save_checkpoint = save_then_die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_stage_killed_at_checkpoint(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a QAT stage that is killed (SIGKILL) right after it writes its first checkpoint: a crash at a
+    known point, whatever the speed of the machine."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-c", _KILL_AT_CHECKPOINT, str(REPO / "stages" / script), *args],
+                          cwd=cwd, env=env, capture_output=True, text=True)
+    if proc.returncode != -9:
+        raise AssertionError(f"{script} was not killed at its checkpoint ({proc.returncode}):\n{proc.stderr}")
+    return proc

@@ -12,7 +12,7 @@ import yaml
 from safetensors import safe_open
 
 from pipeline.shards import read_shard
-from tests.stage_helpers import build_tiny_teacher, run_stage, start_stage, workdir
+from tests.stage_helpers import build_tiny_teacher, run_stage, run_stage_killed_at_checkpoint, start_stage, workdir
 
 CHAIN = [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",),
          ("qat_train.py", "--format", "s3d8"), ("pack_safetensors.py", "--format", "s3d8"), ("eval.py",)]
@@ -89,11 +89,8 @@ def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, te
     cwd = workdir(tmp_path, teacher, **{"qat.checkpoint_every": 1})
     for part in ("data/sampled", "data/teacher", "data/centroids"):
         shutil.copytree(chain / part, cwd / part)
-    proc = start_stage(cwd, "qat_train.py", "--format", "s3d8")
-    _wait_for(cwd / "checkpoints/qat/s3d8.pt", proc)
-    time.sleep(0.2)
-    proc.kill()
-    proc.wait()
+    run_stage_killed_at_checkpoint(cwd, "qat_train.py", "--format", "s3d8")
+    assert (cwd / "checkpoints/qat/s3d8.pt").exists()
     log = run_stage(cwd, "qat_train.py", "--format", "s3d8").stderr
     assert "resuming at step" in log
     with safe_open(str(chain / "models/qat/s3d8/model.safetensors"), "pt") as a, \

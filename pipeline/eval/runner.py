@@ -61,6 +61,9 @@ def _greedy_config(model, processor, max_new_tokens: int) -> GenerationConfig:
     return GenerationConfig(
         do_sample=False,
         num_beams=1,
+        temperature=None,  # unset, so the model's sampling defaults (e.g. 0.6 / 0.9) do not leak in
+        top_p=None,
+        top_k=None,
         max_new_tokens=max_new_tokens,
         eos_token_id=eos,
         pad_token_id=processor.tokenizer.pad_token_id,
