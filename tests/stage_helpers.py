@@ -61,40 +61,37 @@ def workdir(path: Path, teacher: Path, **overrides) -> Path:
     return path
 
 
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+
+
 def run_stage(cwd: Path, script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
-    proc = subprocess.run([sys.executable, str(REPO / "stages" / script), *args], cwd=cwd, env=env,
+    proc = subprocess.run([sys.executable, str(REPO / "stages" / script), *args], cwd=cwd, env=_env(),
                           capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
-def start_stage(cwd: Path, script: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
-    return subprocess.Popen([sys.executable, str(REPO / "stages" / script), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-_KILL_AT_CHECKPOINT = """
-import os, runpy, signal, sys
-import pipeline.qat.train as train
-save = train._save_checkpoint
-def save_then_die(*args, **kwargs):
-    save(*args, **kwargs)
+_KILL_AFTER = """
+import importlib, os, runpy, signal, sys
+module, name = sys.argv[1].rsplit(".", 1)
+module = importlib.import_module(module)
+original = getattr(module, name)
+def then_die(*args, **kwargs):
+    original(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGKILL)
-train._save_checkpoint = save_then_die
-sys.argv = sys.argv[1:]
+setattr(module, name, then_die)
+sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_stage_killed_at_checkpoint(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
-    """Run a QAT stage that is killed (SIGKILL) right after it writes its first checkpoint: a crash at a
-    known point, whatever the speed of the machine."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
-    proc = subprocess.run([sys.executable, "-c", _KILL_AT_CHECKPOINT, str(REPO / "stages" / script), *args],
-                          cwd=cwd, env=env, capture_output=True, text=True)
+def run_stage_killed_after(cwd: Path, function: str, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a stage that is killed (SIGKILL) right after its first call of ``function`` (a dotted name such as
+    ``pipeline.shards.write_shard``) returns: a crash at a known point, whatever the speed of the machine."""
+    proc = subprocess.run([sys.executable, "-c", _KILL_AFTER, function, str(REPO / "stages" / script), *args],
+                          cwd=cwd, env=_env(), capture_output=True, text=True)
     if proc.returncode != -9:
-        raise AssertionError(f"{script} was not killed at its checkpoint ({proc.returncode}):\n{proc.stderr}")
+        raise AssertionError(f"{script} was not killed after {function} ({proc.returncode}):\n{proc.stderr}")
     return proc

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 import yaml
 from safetensors import safe_open
 
 from pipeline.shards import read_shard
-from tests.stage_helpers import build_tiny_teacher, run_stage, run_stage_killed_at_checkpoint, start_stage, workdir
+from tests.stage_helpers import build_tiny_teacher, run_stage, run_stage_killed_after, workdir
 
 CHAIN = [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",),
          ("qat_train.py", "--format", "s3d8"), ("pack_safetensors.py", "--format", "s3d8"), ("eval.py",)]
@@ -60,23 +59,12 @@ def test_sample_prompts_is_deterministic(chain, tmp_path, teacher):
         assert (cwd / "data/sampled" / ref.name).read_bytes() == ref.read_bytes()
 
 
-def _wait_for(path, proc, timeout=300.0):
-    start = time.time()
-    while not path.exists():
-        assert proc.poll() is None, f"the stage ended before {path} appeared:\n{proc.stdout.read()}"
-        assert time.time() - start < timeout
-        time.sleep(0.02)
-
-
 def test_teacher_generate_resumes_after_a_kill(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher)
     shutil.copytree(chain / "data/sampled", cwd / "data/sampled")
-    proc = start_stage(cwd, "teacher_generate.py")
-    _wait_for(cwd / "data/teacher/shard-00000.parquet", proc)
-    proc.kill()
-    proc.wait()
+    run_stage_killed_after(cwd, "pipeline.shards.write_shard", "teacher_generate.py")
     done = sorted(p.name for p in (cwd / "data/teacher").glob("shard-*.parquet"))
-    assert len(done) < 3, "killed before the end"
+    assert done == ["shard-00000.parquet"], done
     # A truncated shard (a crash mid-write elsewhere) is regenerated, not trusted.
     (cwd / "data/teacher/shard-00001.parquet").write_bytes(b"PAR1 truncated")
     log = run_stage(cwd, "teacher_generate.py").stderr
@@ -89,7 +77,7 @@ def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, te
     cwd = workdir(tmp_path, teacher, **{"qat.checkpoint_every": 1})
     for part in ("data/sampled", "data/teacher", "data/centroids"):
         shutil.copytree(chain / part, cwd / part)
-    run_stage_killed_at_checkpoint(cwd, "qat_train.py", "--format", "s3d8")
+    run_stage_killed_after(cwd, "pipeline.qat.train._save_checkpoint", "qat_train.py", "--format", "s3d8")
     assert (cwd / "checkpoints/qat/s3d8.pt").exists()
     log = run_stage(cwd, "qat_train.py", "--format", "s3d8").stderr
     assert "resuming at step" in log
