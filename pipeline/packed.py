@@ -177,31 +177,6 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
-class NativeS3D8Linear(nn.Module):
-    """A linear layer that runs the packed S3D8 bytes through the native fused / tiled kernels
-    (``pipeline.native.s3d8_matmul``: INT8 activations per token, exact int32 accumulation), as a
-    CPU deployment would. Equal to :class:`PackedLinear` up to float summation order."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], shape, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        from pipeline import native
-
-        self._native = native
-        self.shape = tuple(shape)
-        self.register_buffer("packed", tensors["packed"].contiguous(), persistent=False)
-        self.register_buffer("scale", tensors["scale"].contiguous(), persistent=False)
-        self.register_buffer("table", tensors["table"].contiguous(), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.in_features, self.out_features = self.shape[1], self.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
-        y = self._native.s3d8_matmul(x2, self.packed, self.scale, self.table, self.shape)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
-
 class PackedEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, padding_idx: int | None) -> None:
         super().__init__()
@@ -275,8 +250,12 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
                 bias = reader.get(bias_name).to(dtype)
                 used.add(bias_name)
                 covered.add(f"{module_name}.bias")
-            if kernel == "native":
-                setattr(owner, child, NativeS3D8Linear(tensors, shape, bias))
+            if kernel == "native":  # the packed bytes through the native kernels (INT8 activations per token)
+                from pipeline import native
+
+                setattr(owner, child, native.S3D8Linear(tensors["packed"], tensors["scale"], tensors["table"],
+                                                        shape, bias))
+                covered.update(f"{module_name}.{b}" for b in ("packed", "scale", "table"))
             else:
                 setattr(owner, child, PackedLinear(weight, bias, act_quant))
         else:
