@@ -21,48 +21,10 @@ import json
 import random
 import re
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Callable
 
-import yaml
-
+from pipeline.prompts import PromptPool, load_pool  # noqa: F401  (re-exported: describe.load_pool)
 from pipeline.toy.facts import Facts, join_words, plural
-
-DEFAULT_POOL = Path(__file__).resolve().parents[2] / "data" / "prompts" / "prompt_pool.yaml"
-
-
-@dataclass(frozen=True)
-class PromptPool:
-    prompts: tuple[str, ...]  # the 15 base prompts, then the composed ones
-    base_instruction: str
-    lengths: dict[str, tuple[float, str]]  # name -> (probability, text)
-    formats: dict[str, str]
-    probes: tuple[str, ...]
-
-
-@lru_cache(maxsize=4)
-def load_pool(path: str | Path = DEFAULT_POOL) -> PromptPool:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: prompt pool not found")
-    doc = yaml.safe_load(path.read_text())
-    try:
-        composed = [
-            doc["compose"].format(action=a, target=t, audience=u, style=s)
-            for a in doc["actions"] for t in doc["targets"] for u in doc["audiences"] for s in doc["styles"]
-        ]
-        ins = doc["instructions"]
-        return PromptPool(
-            prompts=tuple(doc["base_prompts"]) + tuple(composed),
-            base_instruction=ins["base"],
-            lengths={k: (float(v["p"]), v["text"]) for k, v in ins["length"].items()},
-            formats=dict(ins["format"]),
-            probes=tuple(ins["adherence"]),
-        )
-    except KeyError as e:
-        raise ValueError(f"{path}: prompt pool lacks key {e}") from None
-
 
 # --- reading a request ----------------------------------------------------------------------------------
 
