@@ -7,6 +7,7 @@ in the spirit of nanoGPT's configurator: a typo in ``params.yaml`` or ``-S`` mus
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -94,13 +95,29 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     return cls(**values)
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where ``3e-05`` (what ``dvc exp run -S qat.lr=3e-5`` writes) is a string; DVC
+    reads YAML 1.2, where it is a float. Resolve floats as YAML 1.2 does, so both agree."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
 def load(cls: type[T], section: str, path: str | Path = "params.yaml") -> T:
     """Read ``section`` of the YAML file at ``path`` into dataclass ``cls``."""
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: parameters file not found")
     with path.open() as f:
-        doc = yaml.safe_load(f) or {}
+        doc = yaml.load(f, Loader=_Loader) or {}
     if section not in doc:
         raise ParamsError(f"{path}: no section {section!r}")
     return from_dict(cls, doc[section] or {}, prefix=section)
@@ -108,7 +125,7 @@ def load(cls: type[T], section: str, path: str | Path = "params.yaml") -> T:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     with Path(path).open() as f:
-        return yaml.safe_load(f) or {}
+        return yaml.load(f, Loader=_Loader) or {}
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:

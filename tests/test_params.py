@@ -49,6 +49,16 @@ def test_missing_section_and_file(tmp_path):
         params.load(Section, "sec", tmp_path / "missing.yaml")
 
 
+def test_exponent_floats_as_dvc_writes_them(tmp_path):
+    # `dvc exp run -S sec.lr=3e-5` writes `lr: 3e-05`, a string to YAML 1.1 and a float to DVC (YAML 1.2)
+    (tmp_path / "p.yaml").write_text("sec:\n  lr: 3e-05\n  inner: {rate: 1E+2}\n  name: 3e-05x\n")
+    s = params.load(Section, "sec", tmp_path / "p.yaml")
+    assert s.lr == 3e-5 and s.inner.rate == 100.0 and s.name == "3e-05x"
+    (tmp_path / "p.yaml").write_text("sec:\n  lr: '3e-05'\n")  # quoted: still a string, still an error
+    with pytest.raises(ParamsError, match="'sec.lr'"):
+        params.load(Section, "sec", tmp_path / "p.yaml")
+
+
 def test_shipped_params_yaml_loads_every_stage_section():
     from stages.eval import EvalParams
     from stages.fit_centroids import FitParams
