@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+import yaml
+
 from pipeline.prompts import PromptPool, load_pool  # noqa: F401  (re-exported: describe.load_pool)
 from pipeline.toy.facts import Facts, join_words, plural
 
