@@ -3,6 +3,10 @@ with the real images and with blank ones (the blind baseline: what the text alon
 
     .venv/bin/python stages/toy_teacher_eval.py       # parameters: params.yaml, toy_teacher.eval
 
+It also answers held-out generic requests of the prompt pool's styles ("toy-describe": describe, summarise;
+in a few words, in capitals, JSON ...), the kind of prompt teacher-generate gives it: the share answered
+exactly as the toy world's reference answer, overall and for the requests that ask for capitals.
+
 Writes ``reports/teacher_eval.json``, ``reports/teacher_eval.md`` and the per-example answers,
 ``reports/teacher_eval_examples.parquet`` (column ``condition``: image | blank).
 """
@@ -17,21 +21,34 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from pipeline import params
-from pipeline.eval.runner import evaluate
+from pipeline.eval.runner import evaluate, generate
 from pipeline.eval.tasks import load_toy
 from pipeline.io import atomic_path, write_json, write_text
 from pipeline.stage import console, set_threads, stage_errors, versions
 from pipeline.toy.model import count_parameters
 from pipeline.toy.settings import ToyTeacherParams
-from pipeline.toy.tasks import TOY_TASKS
+from pipeline.toy.tasks import DESCRIBE, TOY_TASKS, items
 
 REPORTS = Path("reports")
 # The quality bar of the teacher (issue 4): every task at least 0.75, their average at least 0.80.
 MIN_TASK, MIN_AVG = 0.75, 0.80
 
 
+def generic_requests(model, processor, n: int, seed: int, batch_size: int) -> dict:
+    """Greedy answers to ``n`` held-out generic requests: the share equal to the reference answer, the share
+    equal to it but for letter case, and the latter for the requests that ask for capitals."""
+    held_out = items(DESCRIBE, n, seed)
+    answers = generate(model, processor, [it.image for it in held_out], [it.prompt for it in held_out],
+                       max_new_tokens=96, batch_size=batch_size)
+    exact = [a.strip() == it.response.strip() for a, it in zip(answers, held_out)]
+    content = [a.strip().lower() == it.response.strip().lower() for a, it in zip(answers, held_out)]
+    caps = [c for c, it in zip(content, held_out) if any(ch.isalpha() for ch in it.response) and it.response == it.response.upper()]
+    return {"n": n, "exact": sum(exact) / max(len(exact), 1), "ignoring_case": sum(content) / max(len(content), 1),
+            "capitals_n": len(caps), "capitals_ignoring_case": sum(caps) / len(caps) if caps else None}
+
+
 def markdown(summary: dict) -> str:
-    s, b = summary["image"], summary["blank"]
+    s, b, g = summary["image"], summary["blank"], summary["generic"]
     lines = [
         "# Toy teacher: held-out evaluation",
         "",
@@ -50,6 +67,10 @@ def markdown(summary: dict) -> str:
     lines += [
         "",
         f"Quality bar: every task >= {MIN_TASK}, average >= {MIN_AVG}: **{'met' if summary['bar_met'] else 'NOT met'}**.",
+        "",
+        f"Generic requests of the prompt pool's styles ({g['n']} held-out, greedy): answered exactly as the reference "
+        f"{g['exact']:.3f}, as it but for letter case {g['ignoring_case']:.3f}; of the {g['capitals_n']} asking for "
+        "capitals, " + (f"{g['capitals_ignoring_case']:.3f} but for letter case." if g["capitals_n"] else "none drawn."),
         "",
         f"Evaluation took {summary['seconds']:.0f} s. Per-example answers: `reports/teacher_eval_examples.parquet`.",
         "",
@@ -73,6 +94,9 @@ def main() -> None:
         console.print(f"  {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[condition].scores.items())
                       + f", avg {results[condition].avg:.3f}")
     image = results["image"]
+    generic = generic_requests(model, processor, p.eval.generic_n, p.eval.seed, p.eval.batch_size)
+    console.print(f"  generic requests ({generic['n']}): exact {generic['exact']:.3f}, ignoring case "
+                  f"{generic['ignoring_case']:.3f}; asking for capitals ({generic['capitals_n']}): {generic['capitals_ignoring_case']}")
     summary = {
         "teacher": str(teacher),
         "parameters": count_parameters(model),
@@ -80,6 +104,7 @@ def main() -> None:
         "seed": p.eval.seed,
         "image": {"scores": image.scores, "avg": image.avg},
         "blank": {"scores": results["blank"].scores, "avg": results["blank"].avg},
+        "generic": generic,
         "bar_met": min(image.scores.values()) >= MIN_TASK and image.avg >= MIN_AVG,
         "seconds": round(sum(sum(r.meta["seconds"].values()) for r in results.values()), 1),
         "decoding": image.meta["decoding"],

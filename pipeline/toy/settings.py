@@ -16,6 +16,7 @@ class EvalSettings:
     n: int = 1024  # held-out items per task
     seed: int = 0
     batch_size: int = 64
+    generic_n: int = 512  # held-out generic requests (toy-describe): does it answer the prompt sampler's styles?
 
 
 @dataclass
