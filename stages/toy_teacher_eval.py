@@ -43,7 +43,7 @@ def generic_requests(model, processor, n: int, seed: int, batch_size: int) -> di
     exact = [a.strip() == it.response.strip() for a, it in zip(answers, held_out)]
     content = [a.strip().lower() == it.response.strip().lower() for a, it in zip(answers, held_out)]
     caps = [c for c, it in zip(content, held_out) if any(ch.isalpha() for ch in it.response) and it.response == it.response.upper()]
-    return {"n": n, "exact": sum(exact) / max(len(exact), 1), "ignoring_case": sum(content) / max(len(content), 1),
+    return {"n": n, "exact": sum(exact) / n, "ignoring_case": sum(content) / n,
             "capitals_n": len(caps), "capitals_ignoring_case": sum(caps) / len(caps) if caps else None}
 
 
@@ -94,6 +94,8 @@ def main() -> None:
         console.print(f"  {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[condition].scores.items())
                       + f", avg {results[condition].avg:.3f}")
     image = results["image"]
+    if p.eval.generic_n < 1:
+        raise ValueError(f"toy_teacher.eval.generic_n must be at least 1, got {p.eval.generic_n}")
     generic = generic_requests(model, processor, p.eval.generic_n, p.eval.seed, p.eval.batch_size)
     console.print(f"  generic requests ({generic['n']}): exact {generic['exact']:.3f}, ignoring case "
                   f"{generic['ignoring_case']:.3f}; asking for capitals ({generic['capitals_n']}): {generic['capitals_ignoring_case']}")

@@ -8,6 +8,7 @@ import yaml
 
 from pipeline.eval import metrics
 from pipeline.eval.tasks import family_of, score, load_toy
+from pipeline.prompts import load_pool
 from pipeline.toy import charts, describe, diagrams, documents, draw, shapes, tasks
 
 
@@ -170,7 +171,7 @@ def _facts(module, seed=0):
 
 
 def test_every_pool_prompt_gets_an_answer_for_every_kind_of_image():
-    pool = describe.load_pool()
+    pool = load_pool()
     assert len(pool.prompts) == 495
     for module in (shapes, charts, documents, diagrams):
         facts = _facts(module)
@@ -220,7 +221,7 @@ def test_text_requests_read_the_document():
 
 
 def test_sampled_requests_follow_the_pool_shape():
-    pool = describe.load_pool()
+    pool = load_pool()
     rng = random.Random(0)
     requests = [describe.sample_request(rng, pool) for _ in range(400)]
     with_block = [r for r in requests if pool.base_instruction in r]
@@ -230,4 +231,4 @@ def test_sampled_requests_follow_the_pool_shape():
 
 def test_missing_pool_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
-        describe.load_pool(tmp_path / "nope.yaml")
+        load_pool(tmp_path / "nope.yaml")

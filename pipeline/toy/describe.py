@@ -25,7 +25,7 @@ from typing import Callable
 
 import yaml
 
-from pipeline.prompts import PromptPool, load_pool  # noqa: F401  (re-exported: describe.load_pool)
+from pipeline.prompts import PromptPool
 from pipeline.toy.facts import Facts, join_words, plural
 
 # --- reading a request ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from types import ModuleType
 from PIL import Image
 
 from pipeline.eval.prompts import option_letter, prompt_for
+from pipeline.prompts import PromptPool, load_pool
 from pipeline.toy import charts, describe, diagrams, documents, shapes
 
 TASK_MODULES: dict[str, ModuleType] = {
@@ -82,9 +83,9 @@ def task_item(task: str, rng: random.Random, split: str, item_id: str) -> ToyIte
                    tuple(extra), None, None, scene.key)
 
 
-def describe_item(rng: random.Random, split: str, item_id: str, pool: describe.PromptPool | None = None) -> ToyItem:
+def describe_item(rng: random.Random, split: str, item_id: str, pool: PromptPool | None = None) -> ToyItem:
     """A generic request from the prompt pool about an image of any of the four kinds."""
-    pool = pool or describe.load_pool()
+    pool = pool or load_pool()
     module = rng.choice(list(TASK_MODULES.values()))
     scene = sample_scene(module, rng, split)
     request = describe.sample_request(rng, pool)
@@ -126,7 +127,7 @@ def heldout_examples(task: str, n: int, seed: int = 0) -> list[tuple[Image.Image
 def text_corpus(n_per_task: int, seed: int = 0) -> list[str]:
     """Text the tokenizer is trained on: prompts and responses of training items of every task, generic
     requests and responses (also in capitals), the whole prompt pool and the chat template's words."""
-    pool = describe.load_pool()
+    pool = load_pool()
     lines: list[str] = []
     for task in (*TOY_TASKS, DESCRIBE):
         n = n_per_task * (3 if task == DESCRIBE else 1)
