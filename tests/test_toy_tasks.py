@@ -232,3 +232,16 @@ def test_sampled_requests_follow_the_pool_shape():
 def test_missing_pool_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_pool(tmp_path / "nope.yaml")
+
+
+def test_format_share_of_generic_training_requests():
+    """``toy_teacher.train.describe_format_p`` raises the share of format instructions (capitals, JSON ...) in
+    generic requests."""
+    pool = load_pool()
+
+    def share(p_format):
+        drawn = [tasks.item(tasks.DESCRIBE, 0, i, "train", p_format) for i in range(300)]
+        return sum(any(f in it.prompt for f in pool.formats.values()) for it in drawn) / len(drawn)
+
+    assert share(0.0) == 0.0
+    assert 0.2 < share(describe.FORMAT_P) < 0.45 < 0.6 < share(1.0) < 0.8  # a block is drawn 72% of the time

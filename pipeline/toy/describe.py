@@ -195,9 +195,12 @@ def respond(facts_of: Callable[[bool], Facts], request: str) -> str:
 # --- drawing a request ----------------------------------------------------------------------------------
 
 
-def sample_request(rng: random.Random, pool: PromptPool, p_block: float = 0.72) -> str:
+FORMAT_P = 0.45  # the prompt sampler's p_format (params.yaml: sample.sampler.p_format)
+
+
+def sample_request(rng: random.Random, pool: PromptPool, p_block: float = 0.72, p_format: float = FORMAT_P) -> str:
     """A user request in the style of the pipeline's prompt sampler (SPEC section 5): an inner prompt, and
-    with probability ``p_block`` an instruction block (base; length p=0.75; format p=0.45; probe p=0.40).
+    with probability ``p_block`` an instruction block (base; length p=0.75; format ``p_format``; probe p=0.40).
     The block's placement and separators vary, so the teacher does not depend on one layout."""
     prompt = rng.choice(pool.prompts)
     if rng.random() >= p_block:
@@ -206,7 +209,7 @@ def sample_request(rng: random.Random, pool: PromptPool, p_block: float = 0.72) 
     if rng.random() < 0.75:
         names = list(pool.lengths)
         block.append(pool.lengths[rng.choices(names, weights=[pool.lengths[k][0] for k in names])[0]][1])
-    if rng.random() < 0.45:
+    if rng.random() < p_format:
         block.append(pool.formats[rng.choice(sorted(pool.formats))])
     if rng.random() < 0.40:
         block.append(rng.choice(pool.probes))

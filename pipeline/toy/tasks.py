@@ -83,12 +83,14 @@ def task_item(task: str, rng: random.Random, split: str, item_id: str) -> ToyIte
                    tuple(extra), None, None, scene.key)
 
 
-def describe_item(rng: random.Random, split: str, item_id: str, pool: PromptPool | None = None) -> ToyItem:
-    """A generic request from the prompt pool about an image of any of the four kinds."""
+def describe_item(rng: random.Random, split: str, item_id: str, pool: PromptPool | None = None,
+                  p_format: float = describe.FORMAT_P) -> ToyItem:
+    """A generic request from the prompt pool about an image of any of the four kinds; ``p_format``: the
+    probability of a format instruction in its instruction block."""
     pool = pool or load_pool()
     module = rng.choice(list(TASK_MODULES.values()))
     scene = sample_scene(module, rng, split)
-    request = describe.sample_request(rng, pool)
+    request = describe.sample_request(rng, pool, p_format=p_format)
     response = describe.respond(lambda colors: module.facts(scene, colors), request)
     return ToyItem(DESCRIBE, item_id, module.render(scene), request, request, response, (response,), None, None, scene.key)
 
@@ -102,13 +104,14 @@ def caption_item(rng: random.Random, split: str, request: str) -> ToyItem:
                    None, None, scene.key)
 
 
-def item(task: str, seed: int, index: int, split: str = "test") -> ToyItem:
-    """Item ``index`` of ``task``'s ``split`` for ``seed``: independent of how many others are drawn."""
+def item(task: str, seed: int, index: int, split: str = "test", p_format: float = describe.FORMAT_P) -> ToyItem:
+    """Item ``index`` of ``task``'s ``split`` for ``seed``: independent of how many others are drawn
+    (``p_format``: see ``describe_item``; generic requests only)."""
     _check(task, split)
     rng = random.Random(f"{task}/{split}/{seed}/{index}")
     item_id = f"{task}/{split}/{seed}/{index}"
     if task == DESCRIBE:
-        return describe_item(rng, split, item_id)
+        return describe_item(rng, split, item_id, p_format=p_format)
     return task_item(task, rng, split, item_id)
 
 

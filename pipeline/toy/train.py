@@ -36,6 +36,7 @@ class TrainSettings:
     caption_prompt: str = "Describe the image in detail."
     describe_fraction: float = 0.3  # share of steps spent on generic requests from the prompt pool
     plain_template: float = 0.25  # share of generic requests in the plain <|image|>{prompt} template
+    describe_format_p: float = 0.45  # chance of a format instruction (capitals, JSON, ...) in a generic request
     task_weights: dict[str, float] = field(
         default_factory=lambda: {"toy-vqa": 1.0, "toy-chartqa": 1.0, "toy-docvqa": 1.0, "toy-ai2d": 1.0}
     )
@@ -64,7 +65,7 @@ def training_batch(processor, s: TrainSettings, seed: int, step: int) -> tuple[d
         responses = [it.response for it in items]
     elif rng.random() < s.describe_fraction:
         kind = "describe"
-        items = [tasks.item(tasks.DESCRIBE, seed, first + j, "train") for j in range(s.batch_size)]
+        items = [tasks.item(tasks.DESCRIBE, seed, first + j, "train", s.describe_format_p) for j in range(s.batch_size)]
         prompts, responses = [], []
         for it in items:
             if rng.random() < s.plain_template:
