@@ -11,6 +11,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, MllamaForCo
 from pipeline.eval.runner import evaluate, generate
 from pipeline.eval.tasks import load_toy
 from pipeline.toy import shapes, tasks
+from pipeline.toy.describe import read_request
 from pipeline.toy.batch import encode, plain_prompt
 
 TEACHER = Path(__file__).resolve().parents[1] / "data" / "toy-teacher"
@@ -68,19 +69,41 @@ def test_describes_and_follows_instructions(teacher):
     prompts = [
         "Describe the image.",
         "Describe the image.\nAnswer the request about the image. Answer in capital letters.",
-        "What is shown in the image?\nAnswer the request about the image. End with a line 'FINAL ANSWER: <answer>'.",
+        "Describe the image.\nAnswer the request about the image. End with a line 'FINAL ANSWER: <answer>'.",
         "Summarize the image.\nAnswer the request about the image. Answer in JSON with the key \"answer\".",
         # the layout of the pipeline's prompt sampler: the instruction block, then the prompt
         "Answer the request about the image. Answer in a few words. Answer in capital letters.\nDescribe the image.",
     ]
     plain, caps, final, as_json, short_caps = generate(model, processor, [image] * 5, prompts, max_new_tokens=48)
     assert "red circle" in plain.lower()
-    # Capitals after the prompt: the tiny teacher starts in capitals but may fall back to lower case for the
-    # object words (their capitalised tokens are rare); the sampler's layout, block first, is all capitals.
-    assert caps.startswith("THE IMAGE SHOWS") and "circle" in caps.lower()
+    assert caps.startswith("THE IMAGE SHOWS") and caps == caps.upper() and "RED CIRCLE" in caps
     assert final.split("\n")[-1].startswith("FINAL ANSWER:") and "circle" in final.split("\n")[-1]
     assert "circle" in json.loads(as_json)["answer"]
     assert short_caps == "A RED CIRCLE"
+
+
+def _in_format(answer: str, fmt: str) -> bool:
+    if fmt == "caps":
+        return answer == answer.upper() and any(ch.isalpha() for ch in answer)
+    if fmt == "final_answer":
+        return answer.strip().split("\n")[-1].startswith("FINAL ANSWER: ")
+    try:
+        return isinstance(json.loads(answer)["answer"], str)
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def test_follows_format_instructions_on_heldout_requests(teacher):
+    """Over the held-out generic requests (seed 0) that ask for capitals, a FINAL ANSWER line or JSON, in
+    every layout the sampler uses, at least 90% of the answers have the format asked for."""
+    model, processor = teacher
+    asked = [(it, read_request(it.prompt).fmt) for it in tasks.items(tasks.DESCRIBE, 1024, seed=0)]
+    asked = [(it, fmt) for it, fmt in asked if fmt in ("caps", "final_answer", "json")]
+    answers = generate(model, processor, [it.image for it, _ in asked], [it.prompt for it, _ in asked],
+                       max_new_tokens=96, batch_size=64)
+    for fmt in ("caps", "final_answer", "json"):
+        results = [_in_format(a, f) for a, (_, f) in zip(answers, asked) if f == fmt]
+        assert len(results) >= 40 and sum(results) / len(results) >= 0.9, (fmt, sum(results), len(results))
 
 
 def test_plain_template_continues_the_prompt(teacher):
