@@ -8,6 +8,7 @@ from pipeline.toy import model as M
 from pipeline.toy import processor as P
 from pipeline.toy import tasks
 from pipeline.toy.batch import IGNORE, chat_prompt, encode
+from pipeline.toy.train import TrainSettings, train
 
 SMALL = M.ModelSize(vision_hidden=32, vision_layers=2, vision_global_layers=1, vision_heads=2, vision_intermediate=64,
                     vision_intermediate_layers=[0], text_hidden=64, text_layers=2, cross_attention_layers=[1],
@@ -94,3 +95,9 @@ def test_train_step_generate_and_offline_reload(config, proc, tmp_path, monkeypa
     assert loaded.dtype == torch.bfloat16
     for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("name", ["describe_fraction", "plain_template", "describe_format_p"])
+def test_training_shares_must_be_probabilities(name):
+    with pytest.raises(ValueError, match=f"train.{name}: a probability must lie in \\[0, 1\\], got 1.5"):
+        train(None, None, TrainSettings(**{name: 1.5}, eval_every=0), seed=0)

@@ -103,6 +103,9 @@ def train(
     unknown = sorted(set(s.task_weights) - set(tasks.TOY_TASKS))
     if unknown:
         raise ValueError(f"train.task_weights: unknown task(s) {unknown}; known: {list(tasks.TOY_TASKS)}")
+    for name in ("describe_fraction", "plain_template", "describe_format_p"):
+        if not 0.0 <= getattr(s, name) <= 1.0:
+            raise ValueError(f"train.{name}: a probability must lie in [0, 1], got {getattr(s, name)}")
     if s.eval_every and heldout is None:
         heldout = {name: load_toy(name, s.eval_items, seed=seed) for name in tasks.TOY_TASKS}
     optimizer = _optimizer(model, s)
