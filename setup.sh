@@ -10,3 +10,18 @@ fi
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements.lock
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 .venv/bin/python native/build.py   # the S3D8 kernel library: pipeline/_s3d8_native*.so
+# The default DVC remote for `dvc push` / `dvc pull` is a local directory (.dvc/config:
+# ~/.cache/s3d8-pipeline/dvc-remote, shared by every clone of this user on this machine). Create it, or
+# whichever local directory .dvc/config.local makes the default (`dvc remote modify --local local url DIR`).
+.venv/bin/python - <<'DVC_REMOTE'
+import os, re
+from dvc.config import Config
+conf = Config(dvc_dir=".dvc")
+name = conf["core"].get("remote")
+url = conf["remote"].get(name, {}).get("url", "") if name else ""
+if url.startswith("file://"):
+    url = url[len("file://"):]
+if url and not re.match(r"\w+://", url):
+    os.makedirs(url, exist_ok=True)
+    print(f"DVC remote '{name}': {url}")
+DVC_REMOTE
