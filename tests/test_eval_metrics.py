@@ -1,4 +1,5 @@
-"""Worked examples, with scores computed by hand, for each benchmark metric."""
+"""Worked examples, with scores computed by hand, for each benchmark metric (lmms-eval's behaviour; the parity
+with lmms-eval's own code is tests/test_lmms_eval_parity.py)."""
 
 import pytest
 
@@ -27,6 +28,10 @@ from pipeline.eval.metrics import (
         ("left-hand", "left hand"),  # a hyphen inside a word becomes a space
         ("red , blue", "red blue"),  # punctuation next to a space goes
         ("  A\tcat\n", "cat"),
+        ("'ow'sat", "'ow's'at"),  # the contraction table's entry (it mapped to itself here before)
+        ("1,,000", "1000"),  # EvalAI's comma pattern takes a run of commas between digits
+        ("." * 40 + "x", "." * 8 + "x"),  # re.UNICODE passed as sub()'s count: only 32 periods go
+        ("e.g.", "eg"),
     ],
 )
 def test_vqa_normalisation(raw, normalised):
@@ -60,6 +65,15 @@ def test_vqa_accuracy_normalises_both_sides():
     assert vqa_accuracy("Yes", ["yes"] * 10) == 1.0  # the official script would give 0 here (no normalisation)
 
 
+def test_vqa_accuracy_is_lmms_evals_exact_mean():
+    # statistics.mean (exact, then rounded once), not a float sum / 10, which depends on the annotators' order
+    assert vqa_accuracy("red", ["blue"] * 8 + ["red"] * 2) == 0.6  # the float sum gives 0.5999999999999999
+    assert vqa_accuracy("red", ["blue", "red", "blue", "red"] + ["blue"] * 5 + ["red"]) == 0.9  # 0.8999999999999998
+    assert vqa_accuracy("red", ["red"] * 2 + ["blue"] * 8) == 0.6
+    # equal strings are different annotators (VQAv2's answers carry distinct answer_ids)
+    assert vqa_accuracy("yes", ["yes", "yes"]) == pytest.approx(1 / 3)
+
+
 def test_vqa_accuracy_needs_references():
     with pytest.raises(ValueError):
         vqa_accuracy("yes", [])
@@ -83,6 +97,22 @@ def test_relaxed_correctness(prediction, target, ok):
     assert relaxed_correctness(prediction, target) is ok
 
 
+@pytest.mark.parametrize(
+    "prediction, target",
+    [("1,000", "1000"), ("$5", "5"), ("5", "5%"), ("red", " red")],  # not numbers to float(); nothing stripped
+)
+def test_relaxed_correctness_is_pix2structs(prediction, target):
+    assert relaxed_correctness(prediction, target) is False
+
+
+def test_relaxed_accuracy_strips_the_prediction_only():
+    # lmms-eval strips every generation, never the label
+    assert relaxed_accuracy("  red\n", ["red"]) == 1.0
+    assert relaxed_accuracy(" 10 ", ["10.4"]) == 1.0
+    assert relaxed_accuracy("red", ["red "]) == 0.0
+    assert relaxed_accuracy("10", [" 10 "]) == 1.0  # float() reads " 10 "
+
+
 def test_relaxed_accuracy_takes_any_label():
     assert relaxed_accuracy("7", ["seven", "7"]) == 1.0
     assert relaxed_accuracy("8", ["seven", "7"]) == 0.0
@@ -101,11 +131,17 @@ def test_levenshtein():
         ("cats", ["cat"], 0.75),  # distance 1 over length 4
         ("ca", ["cat"], 1 - 1 / 3),
         ("c", ["cat"], 0.0),  # distance 2/3 >= 0.5
-        ("abxx", ["abcd"], 0.0),  # exactly the threshold scores 0
+        ("abxx", ["abcd"], 0.5),  # a distance of exactly 0.5 is kept (the server script: score < 0.5 -> 0)
+        ("ab", ["abcd"], 0.5),
+        ("a", ["abc"], 0.0),  # 2/3
         ("abcx", ["abcd"], 0.75),
         ("dog", ["cat"], 0.0),
         ("colour", ["color", "colour"], 1.0),  # best reference
         ("  The  Cat ", ["the cat"], 1.0),  # case and whitespace
+        ("x z", ["x    y"], 1 - 1 / 6),  # the distance is over normalised strings, the length over the raw ones
+        ("straße", ["STRASSE"], 1 - 2 / 7),  # len("straße".upper()) == 7
+        ("", [""], 1.0),
+        ("", ["a"], 0.0),
     ],
 )
 def test_anls(prediction, refs, expected):

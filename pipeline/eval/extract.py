@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Sequence
+
+import numpy as np
+
+from pipeline.eval.prompts import option_letter
 
 
 FINAL_ANSWER = "FINAL ANSWER:"
@@ -32,35 +37,36 @@ def final_answer(response: str) -> str:
     return ""
 
 
-short_answer = final_answer
-"""Short-answer tasks (VQA, DocVQA) take the same extraction: the final-answer line if present, else the first
-line."""
+def short_answer(response: str) -> str:
+    """What lmms-eval scores for the short-answer tasks (VQAv2, DocVQA): the whole generation, stripped (its
+    harness strips every generation; its Llama 3.2 Vision wrapper cuts nothing). The metrics normalise the rest
+    (VQA: punctuation, articles, ...; ANLS: case and whitespace)."""
+    return response.strip()
 
-_LETTER_RE = re.compile(r"^\(?([A-Z])(?:[\).:]|\s|$)")
-_EMBEDDED_LETTER_RE = re.compile(r"(?:answer|option|choice)(?:\s+is)?\s*:?\s*\(?([A-Z])\b", re.IGNORECASE)
+
+# lmms-eval's AI2D filter (ai2d/utils.py MultiChoiceRegexFilter): a capital letter and a period at the start,
+# after optional whitespace; anything else is kept whole.
+_OPTION_LETTER_RE = re.compile(r"^\s*([A-Z])\.")
+# lmms-eval's exact_match (api/metrics.py exact_match_hf_evaluate) with ignore_case and ignore_punctuation
+# (ai2d.yaml): numpy's lower case, then ASCII punctuation (string.punctuation) deleted.
+_PUNCTUATION_TABLE = str.maketrans("", "", string.punctuation)
+
+
+def _exact_match_form(text: str) -> str:
+    return str(np.char.translate(np.char.lower(np.asarray([text])), table=_PUNCTUATION_TABLE)[0])
 
 
 def choice_index(response: str, options: Sequence[str]) -> int | None:
-    """The option a response picks, as a 0-based index, or None.
+    """The option lmms-eval's AI2D scoring picks, as a 0-based index, or None.
 
-    Tried in order: a leading option letter ("B", "(B)", "B. cat", after a "FINAL ANSWER:" too); the exact
-    text of one option; a bare option number 1..n; "the answer is B"; a single option's text inside the
-    response."""
-    n = len(options)
-    answer = final_answer(response)
-    m = _LETTER_RE.match(answer)
-    if m and ord(m.group(1)) - ord("A") < n:
-        return ord(m.group(1)) - ord("A")
-    lowered = [o.strip().lower() for o in options]
-    if answer.lower() in lowered:
-        return lowered.index(answer.lower())
-    if answer.isdigit() and 1 <= int(answer) <= n:
-        return int(answer) - 1
-    m = _EMBEDDED_LETTER_RE.search(response)
-    if m and ord(m.group(1).upper()) - ord("A") < n:
-        return ord(m.group(1).upper()) - ord("A")
-    text = response.lower()
-    found = [i for i, o in enumerate(lowered) if o and re.search(rf"\b{re.escape(o)}\b", text)]
-    if len(found) == 1:
-        return found[0]
+    lmms-eval keeps the letter of a leading "B." ("B. circle", "  C."), otherwise the whole response; strips it;
+    and compares it, lower-cased and without ASCII punctuation, with each option's letter. So "B", "b", "(B)",
+    "B)", "**B**" and "B. circle" pick B; "B circle", "The answer is D.", "FINAL ANSWER: A", an option's text, a
+    bare option number and hedges such as "A or C" pick nothing. (Equal to lmms-eval's score for up to 26
+    options, whose letters stay distinct; AI2D has at most 4.)"""
+    m = _OPTION_LETTER_RE.match(response)
+    answer = _exact_match_form((m.group(1) if m else response).strip())
+    for i in range(len(options)):
+        if answer == _exact_match_form(option_letter(i)):
+            return i
     return None

@@ -1,10 +1,19 @@
 """The four benchmark metrics, one function per metric, each scoring one example in [0, 1].
 
-- VQA accuracy (VQAv2): the official VQA evaluation's answer normalisation and its leave-one-annotator-out
-  average of ``min(#matches / 3, 1)``.
-- Relaxed accuracy (ChartQA): a number within 5 % of the label, otherwise a case-insensitive exact match.
-- ANLS (DocVQA): ``1 - normalised Levenshtein distance`` when below the 0.5 threshold, maximum over references.
-- Multiple-choice accuracy (AI2D): the chosen option index equals the answer index.
+Each equals lmms-eval's scoring of the same generation bit for bit (``tests/test_lmms_eval_parity.py`` checks it
+against lmms-eval's own code, see ``requirements-lmms.txt``), including lmms-eval's ``.strip()`` of every
+generation before scoring:
+
+- VQA accuracy (VQAv2): lmms-eval's ``vqav2_process_results``: EvalAI's answer normalisation (punctuation,
+  number words, articles, contractions) on both sides, always, then the mean over the annotators of
+  ``min(1, #other annotators giving the answer / 3)`` (``statistics.mean``).
+- Relaxed accuracy (ChartQA): lmms-eval's ``relaxed_correctness`` (from Pix2Struct): a number (``%`` read as a
+  fraction) within 5 % of a non-zero numeric label, otherwise a case-insensitive exact match; the prediction is
+  stripped, the label is not.
+- ANLS (DocVQA): lmms-eval's ``anls`` (the DocVQA / InfographicVQA server script): ``1 - min`` over references of
+  the normalised Levenshtein distance, 0 when that is below 0.5 (a distance of exactly 0.5 scores 0.5).
+- Multiple-choice accuracy (AI2D): the chosen option index (``extract.choice_index``, lmms-eval's filter and
+  exact match) equals the answer index.
 
 A task's score is the mean of its examples' scores.
 """
@@ -12,9 +21,11 @@ A task's score is the mean of its examples' scores.
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Sequence
 
-# --- VQA answer normalisation (the tables of the official VQA evaluation script, vqaEval.py) ---
+# --- VQA answer normalisation (EvalAIAnswerProcessor, lmms_eval/tasks/_task_utils/vqa_eval_metric.py, itself
+# the tables of the official VQA evaluation script vqaEval.py) ---
 
 _CONTRACTIONS = {
     "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've", "couldnt": "couldn't",
@@ -25,7 +36,7 @@ _CONTRACTIONS = {
     "isnt": "isn't", "itd": "it'd", "itd've": "it'd've", "it'dve": "it'd've", "itll": "it'll", "let's": "let's",
     "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've", "mightn'tve": "mightn't've",
     "mightve": "might've", "mustnt": "mustn't", "mustve": "must've", "neednt": "needn't", "notve": "not've",
-    "oclock": "o'clock", "oughtnt": "oughtn't", "ow's'at": "'ow's'at", "'ows'at": "'ow's'at", "'ow'sat": "'ow'sat",
+    "oclock": "o'clock", "oughtnt": "oughtn't", "ow's'at": "'ow's'at", "'ows'at": "'ow's'at", "'ow'sat": "'ow's'at",
     "shant": "shan't", "shed've": "she'd've", "she'dve": "she'd've", "she's": "she's", "shouldve": "should've",
     "shouldnt": "shouldn't", "shouldnt've": "shouldn't've", "shouldn'tve": "shouldn't've",
     "somebody'd": "somebodyd", "somebodyd've": "somebody'd've", "somebody'dve": "somebody'd've",
@@ -51,9 +62,11 @@ _NUMBER_WORDS = {
 }
 _ARTICLES = {"a", "an", "the"}
 _PUNCT = [";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?", "!"]
-# The official pattern (with its look-behind typo "(?!<=" kept): a period not followed by a digit.
+# Both patterns as in lmms-eval, typos included: the look-behind "(?!<=" is not one (any period not followed by a
+# digit goes), and its sub() gets re.UNICODE (32) as its *count*, so at most 32 such periods are removed.
 _PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
-_COMMA_STRIP = re.compile(r"(\d)(,)(\d)")
+_PERIOD_STRIP_COUNT = int(re.UNICODE)
+_COMMA_STRIP = re.compile(r"(?<=\d)(\,)+(?=\d)")  # mmf / EvalAI's; the official script has (\d)(\,)(\d)
 
 
 def _process_punctuation(text: str) -> str:
@@ -63,7 +76,7 @@ def _process_punctuation(text: str) -> str:
             out = out.replace(p, "")
         else:
             out = out.replace(p, " ")
-    return _PERIOD_STRIP.sub("", out)
+    return _PERIOD_STRIP.sub("", out, count=_PERIOD_STRIP_COUNT)
 
 
 def _process_digit_article(text: str) -> str:
@@ -73,32 +86,33 @@ def _process_digit_article(text: str) -> str:
 
 
 def normalize_vqa_answer(text: str) -> str:
-    """The official VQA answer normalisation: whitespace, punctuation, lower case, number words, articles,
-    contractions."""
+    """lmms-eval's VQAv2 answer normalisation: tabs and newlines to spaces, strip, punctuation, lower case,
+    number words, articles, contractions."""
     text = text.replace("\n", " ").replace("\t", " ").strip()
     return _process_digit_article(_process_punctuation(text))
 
 
 def vqa_accuracy(prediction: str, references: Sequence[str]) -> float:
-    """VQA accuracy of one answer against the (normally ten) annotators' answers.
+    """VQA accuracy of one answer against the (normally ten) annotators' answers, as lmms-eval computes it.
 
-    For each annotator, ``min(#other annotators giving the predicted answer / 3, 1)``; the mean over the
-    annotators (the official average over the 10 choose 9 subsets). Unlike the official script, which only
-    normalises when the annotators disagree, both sides are always normalised, as the EvalAI server does for
-    submitted answers (otherwise "Yes" scores 0 against ten "yes").
+    For each annotator, ``min(1, #other annotators giving the predicted answer / 3)``; the mean over the
+    annotators (``statistics.mean``, exact). Each reference is one annotator (VQAv2's answers carry distinct
+    ``answer_id``s), so equal strings are still different annotators. Both sides are always normalised (the
+    official script only normalises when the annotators disagree, so "Yes" would score 0 there against ten
+    "yes").
     """
     if not references:
         raise ValueError("vqa_accuracy: no reference answers")
-    pred = normalize_vqa_answer(prediction)
+    pred = normalize_vqa_answer(prediction.strip())
     refs = [normalize_vqa_answer(r) for r in references]
-    total = 0.0
+    accs = []
     for i in range(len(refs)):
         matches = sum(1 for j, r in enumerate(refs) if j != i and r == pred)
-        total += min(1.0, matches / 3.0)
-    return total / len(refs)
+        accs.append(min(1, float(matches) / 3))
+    return float(statistics.mean(accs))
 
 
-# --- ChartQA relaxed accuracy (as in the ChartQA / Pix2Struct evaluation code) ---
+# --- ChartQA relaxed accuracy (lmms-eval's chartqa utils, from Qwen-VL, from Pix2Struct) ---
 
 
 def _to_float(text: str) -> float | None:
@@ -112,8 +126,8 @@ def _to_float(text: str) -> float | None:
 
 def relaxed_correctness(prediction: str, target: str, max_relative_change: float = 0.05) -> bool:
     """A numeric prediction within ``max_relative_change`` of a non-zero numeric target; otherwise a
-    case-insensitive exact match (a target of 0 also needs the exact string)."""
-    prediction, target = prediction.strip(), target.strip()
+    case-insensitive exact match (a target of 0 also needs the exact string). Nothing is stripped here; a
+    trailing "%" divides by 100, Python's ``float`` reads the rest ("1,000" and "$5" are not numbers)."""
     p, t = _to_float(prediction), _to_float(target)
     if p is not None and t:
         return abs(p - t) / abs(t) <= max_relative_change
@@ -121,13 +135,15 @@ def relaxed_correctness(prediction: str, target: str, max_relative_change: float
 
 
 def relaxed_accuracy(prediction: str, references: Sequence[str], max_relative_change: float = 0.05) -> float:
-    """1.0 if the prediction is relaxed-correct against any reference (ChartQA labels are lists)."""
+    """1.0 if the stripped prediction is relaxed-correct against any reference (lmms-eval's ChartQA has one
+    label per question; with one reference this is exactly its score)."""
     if not references:
         raise ValueError("relaxed_accuracy: no reference answers")
+    prediction = prediction.strip()
     return float(any(relaxed_correctness(prediction, r, max_relative_change) for r in references))
 
 
-# --- DocVQA ANLS ---
+# --- DocVQA ANLS (lmms_eval/api/metrics.py anls, the DocVQA / InfographicVQA server script) ---
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -148,18 +164,21 @@ def _anls_normalize(text: str) -> str:
 
 
 def anls(prediction: str, references: Sequence[str], threshold: float = 0.5) -> float:
-    """Average Normalised Levenshtein Similarity of one answer: the maximum over references of
-    ``1 - dist / max(len)``, counted as 0 when the normalised distance is at least ``threshold``."""
+    """Average Normalised Levenshtein Similarity of one answer, as the DocVQA server script and lmms-eval compute
+    it: ``1 - min`` over references of ``dist / length``, with ``dist`` between the lower-cased,
+    whitespace-collapsed strings and ``length`` the longer of the two *raw* strings (``len(s.upper())``); a score
+    below ``threshold`` counts 0 (a normalised distance of exactly 0.5 scores 0.5)."""
     if not references:
         raise ValueError("anls: no reference answers")
+    prediction = prediction.strip()
     pred = _anls_normalize(prediction)
-    best = 0.0
+    values = []
     for ref in references:
-        ref = _anls_normalize(ref)
-        length = max(len(pred), len(ref))
-        distance = levenshtein(pred, ref) / length if length else 0.0
-        best = max(best, 1.0 - distance if distance < threshold else 0.0)
-    return best
+        distance = levenshtein(_anls_normalize(ref), pred)
+        length = max(len(ref.upper()), len(prediction.upper()))
+        values.append(0.0 if length == 0 else float(distance) / float(length))
+    score = 1 - min(values)
+    return 0.0 if score < threshold else float(score)
 
 
 # --- AI2D multiple choice ---
