@@ -114,7 +114,7 @@ class StreamingWriter:
         self.path = Path(path)
         header: dict[str, object] = {}
         if metadata:
-            header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+            header["__metadata__"] = {k: str(metadata[k]) for k in sorted(metadata)}   # same input, same bytes
         self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
         offset = 0
         for name, dtype, shape in specs:
@@ -164,3 +164,12 @@ class StreamingWriter:
             self.close()
         else:
             self.abort()
+
+
+def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A small safetensors file, atomically and byte-reproducibly (tensors and metadata in sorted order;
+    the ``safetensors`` package orders its metadata differently from run to run)."""
+    names = sorted(tensors)
+    with StreamingWriter(path, [(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], metadata) as w:
+        for n in names:
+            w.write(n, tensors[n])

@@ -3,7 +3,7 @@
 A pool is named by a spec string (the ``sample.images`` parameter):
 
 - ``toy``: procedurally generated toy-world images from the training split only; the held-out scenes
-  the evaluation draws are never produced here.
+  the evaluation draws are never produced here (registered by ``pipeline.toy``, see :func:`register`).
 - ``folder:PATH``: every image file under a directory (e.g. an ImageNet train folder).
 - ``hf:DATASET[:SPLIT[:COLUMN]]``: an image column of a ``datasets`` data set (a hub id or a local path).
 
@@ -14,10 +14,18 @@ reference back into the image, so the shards stay small and the images exact.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
 from PIL import Image
+
+_GENERATED: dict[str, Callable[[int, int], Image.Image]] = {}
+
+
+def register(kind: str, image: Callable[[int, int], Image.Image]) -> None:
+    """A generated pool ``kind``: its references are ``kind:SEED:INDEX`` and ``image(seed, index)`` draws one."""
+    _GENERATED[kind] = image
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".JPEG"}
 
@@ -26,8 +34,8 @@ def image_refs(spec: str, n: int, seed: int) -> list[str]:
     """``n`` image references from the pool ``spec``, drawn with a seeded shuffle (cycling if the pool
     is smaller than ``n``)."""
     kind, _, rest = spec.partition(":")
-    if kind == "toy":
-        return [f"toy:{seed}:{i}" for i in range(n)]
+    if kind in _GENERATED and not rest:
+        return [f"{kind}:{seed}:{i}" for i in range(n)]
     if kind == "folder":
         root = Path(rest)
         if not root.is_dir():
@@ -41,7 +49,9 @@ def image_refs(spec: str, n: int, seed: int) -> list[str]:
         size = len(_hf_dataset(dataset, split))
         indices = _draw(list(range(size)), n, seed)
         return [f"hf:{dataset}:{split}:{column}:{i}" for i in indices]
-    raise ValueError(f"image pool {spec!r}: expected 'toy', 'folder:PATH' or 'hf:DATASET[:SPLIT[:COLUMN]]'")
+    raise ValueError(f"image pool {spec!r}: expected one of {sorted(_GENERATED)}, 'folder:PATH' or "
+                     f"'hf:DATASET[:SPLIT[:COLUMN]]' (generated pools are known once their module is imported, "
+                     f"e.g. pipeline.toy)")
 
 
 def _draw(items: list, n: int, seed: int) -> list:
@@ -77,9 +87,12 @@ def _hf_dataset(dataset: str, split: str):
 def load_image(ref: str) -> Image.Image:
     """The RGB image behind a reference produced by :func:`image_refs`."""
     kind, _, rest = ref.partition(":")
-    if kind == "toy":
-        seed, index = (int(v) for v in rest.split(":"))
-        return toy_training_image(seed, index)
+    if kind in _GENERATED:
+        try:
+            seed, index = (int(v) for v in rest.split(":"))
+        except ValueError:
+            raise ValueError(f"image reference {ref!r}: expected {kind}:SEED:INDEX") from None
+        return _GENERATED[kind](seed, index)
     if kind == "file":
         try:
             with Image.open(rest) as im:
@@ -93,12 +106,3 @@ def load_image(ref: str) -> Image.Image:
             raise ValueError(f"image pool 'hf:{dataset}': no column {column!r} (columns: {sorted(row)})")
         return row[column].convert("RGB")
     raise ValueError(f"image reference {ref!r}: unknown kind {kind!r}")
-
-
-def toy_training_image(seed: int, index: int) -> Image.Image:
-    """A toy-world image of any of the four kinds, from the training split (never a held-out scene)."""
-    from pipeline.toy.tasks import TASK_MODULES, sample_scene
-
-    rng = random.Random(f"image-pool/{seed}/{index}")
-    module = rng.choice(list(TASK_MODULES.values()))
-    return module.render(sample_scene(module, rng, "train"))

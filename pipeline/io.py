@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,6 +23,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in the target's directory; rename it onto ``path`` on success."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):     # left by a killed run
+        if stale.is_file():
+            stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
@@ -33,6 +37,33 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``path`` (never inside it, so a DVC directory output never
+    holds a stray file); on success it replaces ``path`` whole. Leftovers of a killed run (``.NAME.*.tmp``
+    beside it) are swept first, so a rerun leaves nothing behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_UMASK)           # mkdtemp creates 0700
+        old = None
+        if path.is_dir():
+            old = path.with_name(f".{path.name}.old.{os.getpid()}.tmp")
+            os.replace(path, old)
+        elif path.exists():
+            path.unlink()
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoint import module_to_checkpoint_names
-from pipeline.qat.api import quantised_modules
+from pipeline.recipe import quantised_modules
 from pipeline.teacher import local_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

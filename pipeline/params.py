@@ -7,6 +7,8 @@ in the spirit of nanoGPT's configurator: a typo in ``params.yaml`` or ``-S`` mus
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import math
 import re
 import types
 import typing
@@ -77,8 +79,44 @@ def _check(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def bounded(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, **kwargs: Any) -> Any:
+    """A dataclass field whose value (when not None) must lie in the given range; ``from_dict`` checks it."""
+    return dataclasses.field(default=default, metadata={"ge": ge, "gt": gt, "le": le}, **kwargs)
+
+
+def positive(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    return bounded(default, gt=0, **kwargs)
+
+
+def non_negative(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    return bounded(default, ge=0, **kwargs)
+
+
+def probability(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    return bounded(default, ge=0, le=1, **kwargs)
+
+
+def _check_range(value: Any, meta: typing.Mapping, key: str) -> None:
+    numbers = value if isinstance(value, list) else [value]
+    for v in numbers:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ParamsError(f"parameter {key!r}: {v!r} is not a finite number")
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        if meta.get("ge") is not None and v < meta["ge"]:
+            raise ParamsError(f"parameter {key!r}: {v!r} must be >= {meta['ge']}")
+        if meta.get("gt") is not None and v <= meta["gt"]:
+            raise ParamsError(f"parameter {key!r}: {v!r} must be > {meta['gt']}")
+        if meta.get("le") is not None and v > meta["le"]:
+            raise ParamsError(f"parameter {key!r}: {v!r} must be <= {meta['le']}")
+
+
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and ill-typed values."""
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys, ill-typed values, non-finite numbers and
+    values outside a field's range (:func:`bounded`)."""
+    if not isinstance(data, dict):
+        raise ParamsError(f"parameter {prefix or 'file'!r}: expected a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
@@ -90,9 +128,15 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         key = f"{prefix}.{name}" if prefix else name
         if name in data:
             values[name] = _check(data[name], hints[name], key)
+            _check_range(values[name], field.metadata, key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ParamsError(f"missing required parameter {key!r}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as e:       # a dataclass's own cross-field checks
+        if isinstance(e, ParamsError):
+            raise
+        raise ParamsError(f"parameters {prefix or cls.__name__}: {e}") from None
 
 
 class _Loader(yaml.SafeLoader):
@@ -111,21 +155,80 @@ _Loader.add_implicit_resolver(
 )
 
 
-def load(cls: type[T], section: str, path: str | Path = "params.yaml") -> T:
-    """Read ``section`` of the YAML file at ``path`` into dataclass ``cls``."""
+SECTIONS: dict[str, str] = {
+    "toy_teacher": "pipeline.toy.settings:ToyTeacherParams",
+    "teacher": "pipeline.teacher:TeacherParams",
+    "formats": "pipeline.formats:check_names",
+    "heldout_prompts": "pipeline.qat.data:check_heldout",
+    "fit": "pipeline.fit:FitParams",
+    "sample": "pipeline.sample:SampleParams",
+    "generate": "pipeline.generate:GenerateParams",
+    "qat": "pipeline.qat.train:QATParams",
+    "pack": "pipeline.packed:PackParams",
+    "eval": "pipeline.eval.suite:EvalParams",
+    "bench": "pipeline.bench:BenchParams",
+}
+"""Every key of ``params.yaml`` and the schema that validates it (imported only to validate)."""
+
+
+def schema(section: str) -> Any:
+    module, _, name = SECTIONS[section].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def validate(doc: Any, path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Check every top-level key and section of a parameters document; returns ``{section: value}``."""
+    if not isinstance(doc, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(SECTIONS))
+    if unknown:
+        raise ParamsError(f"{path}: unknown top-level key(s) {unknown}; known: {sorted(SECTIONS)}")
+    missing = sorted(set(SECTIONS) - set(doc))
+    if missing:
+        raise ParamsError(f"{path}: missing section(s) {missing}")
+    out = {}
+    for section, value in doc.items():
+        tp = schema(section)
+        out[section] = from_dict(tp, value, prefix=section) if dataclasses.is_dataclass(tp) else _check_value(tp, value, section)
+    return out
+
+
+def _check_value(tp: Any, value: Any, key: str) -> Any:
+    """A top-level value: ``tp`` is a type, or a callable that returns the checked value or raises."""
+    if isinstance(tp, type) or typing.get_origin(tp) is not None:
+        checked = _check(value, tp, key)
+        _check_range(checked, {"ge": 0}, key)
+        return checked
+    try:
+        return tp(value)
+    except ValueError as e:
+        raise ParamsError(f"parameter {key!r}: {e}") from None
+
+
+def read(path: str | Path = "params.yaml") -> dict[str, Any]:
+    """The whole parameters file, validated: every section and top-level key, before any stage does work."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise ParamsError(f"{path}: parameters file not found")
-    with path.open() as f:
-        doc = yaml.load(f, Loader=_Loader) or {}
-    if section not in doc:
-        raise ParamsError(f"{path}: no section {section!r}")
-    return from_dict(cls, doc[section] or {}, prefix=section)
+    try:
+        doc = load_yaml(path)
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML ({e})") from None
+    return validate(doc, path)
+
+
+def load(cls: type[T], section: str, path: str | Path = "params.yaml") -> T:
+    """Section ``section`` of the parameters file at ``path`` as dataclass ``cls``; the whole file is
+    validated first."""
+    value = read(path)[section]
+    if dataclasses.is_dataclass(cls) and not isinstance(value, cls):
+        raise ParamsError(f"section {section!r} is validated as {type(value).__name__}, not {cls.__name__}")
+    return value
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     with Path(path).open() as f:
-        return yaml.load(f, Loader=_Loader) or {}
+        return yaml.load(f, Loader=_Loader)
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -123,7 +123,6 @@ def sample(rng: random.Random, pool: PromptPool, params: SamplerParams) -> Sampl
 
 def render(prompt: SampledPrompt, processor) -> str:
     """The full prompt text (BOS and ``<|image|>`` included), ready to tokenise without special tokens."""
-    if prompt.template == "chat":
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.user_text}]}]
-        return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return f"{processor.tokenizer.bos_token}{processor.image_token}{prompt.user_text}"
+    from pipeline.chat import chat_prompt, plain_prompt
+
+    return (chat_prompt if prompt.template == "chat" else plain_prompt)(processor, prompt.user_text)

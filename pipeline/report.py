@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline import formats
 from pipeline.io import atomic_path
 
 # SPEC section 6: Llama 3.2 11B Vision Instruct, published.
@@ -14,7 +15,7 @@ PUBLISHED = [
     ("student-t + QAT", 3620, 2.71, 0.565),
     ("lloyd-max + QAT", 3459, 2.59, 0.436),
 ]
-ORDER = ["bf16", "s3d8", "int", "student_t", "lloyd_max"]
+ORDER = ["bf16", *formats.QUANTISED]
 NOISE = 0.01  # score differences below this are not read as a loss or a gain
 
 
@@ -69,24 +70,50 @@ def summary_markdown(result: dict, tasks: list[str], baselines: dict, teacher_na
     return "\n".join(lines)
 
 
+def scores_csv(result: dict, tasks: list[str]) -> str:
+    """One row per (model, task) and the average, for ``dvc plots`` (a bar chart that compares experiments)."""
+    lines = ["model,format,method,task,score"]
+    for name, m in sorted(result["models"].items(), key=_sort_key):
+        for task in [*tasks, "avg"]:
+            value = m["avg"] if task == "avg" else m["scores"][task]
+            lines.append(f"{name},{m['format']},{m['method']},{task},{value:.6f}")
+    return "\n".join(lines) + "\n"
+
+
 def plot_scores(result: dict, path: str | Path) -> None:
+    """Average score per format, direct cast beside QAT, the teacher as a line; the axis starts just below the
+    lowest model, so the differences between formats are visible."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    markers = {"teacher": "*", "qat": "o", "direct-cast": "x"}
-    for name, m in sorted(result["models"].items(), key=_sort_key):
-        ax.scatter(m["bpp"], m["avg"], marker=markers[m["method"]], s=80 if m["method"] != "direct-cast" else 50,
-                   label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bits per parameter (nominal)")
-    ax.set_ylabel("average score")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.set_title("Score vs bits per parameter")
+    models = result["models"]
+    teacher = next((m for m in models.values() if m["method"] == "teacher"), None)
+    fmts = [f for f in formats.QUANTISED if any(m["format"] == f for m in models.values())]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    width = 0.38
+    for offset, method, color in ((-width / 2, "direct-cast", "#c9c9c9"), (width / 2, "qat", "#3b75af")):
+        xs, ys = [], []
+        for i, f in enumerate(fmts):
+            m = next((m for m in models.values() if m["format"] == f and m["method"] == method), None)
+            if m:
+                xs.append(i + offset)
+                ys.append(m["avg"])
+        bars = ax.bar(xs, ys, width, label=method, color=color, edgecolor="black", linewidth=0.5)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7, padding=2)
+    values = [m["avg"] for m in models.values()]
+    low = max(0.0, min(values) - 0.05)
+    if teacher:
+        ax.axhline(teacher["avg"], color="black", linestyle="--", linewidth=1,
+                   label=f"bf16 teacher ({teacher['avg']:.3f})")
+    ax.set_xticks(range(len(fmts)), [f"{formats.get(f).label}\n{models.get(f'{f}-qat', {}).get('bpp', 0):.2f} bpp"
+                                     for f in fmts])
+    ax.set_ylim(low, min(1.0, max(values) + 0.04))
+    ax.set_ylabel("average score (held-out items)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title("Average score per format: direct cast vs QAT")
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")

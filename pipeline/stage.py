@@ -1,4 +1,11 @@
-"""What every stage script shares: the console, progress bars, and the provenance written into outputs."""
+"""What every stage script shares: the console, progress bars, the provenance written into outputs, and the
+run log.
+
+Outputs (and so DVC hashes) hold only what determines them: results, seeds, parameters and the versions of
+the software (:func:`versions`). What changes from run to run without changing a result (the git commit,
+wall-clock seconds, the machine's load) goes to the run log, ``logs/<stage>.json`` (git-ignored, not a DVC
+output): :func:`run_log`.
+"""
 
 from __future__ import annotations
 
@@ -20,22 +27,39 @@ def progress() -> Progress:
 
 
 def versions() -> dict[str, str]:
-    """Versions of what produced an output, recorded beside the seeds."""
+    """Versions of what produced an output, recorded beside the seeds (the same on every run of one set-up)."""
     import torch
     import transformers
 
     from pipeline import __version__
 
+    return {"pipeline": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def git_commit() -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 check=False, cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
         commit = ""
-    return {"pipeline": __version__, "git_commit": commit or "unknown", "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__}
+    return commit or "unknown"
+
+
+def run_log(stage: str, **info) -> None:
+    """Record what varies between runs of the same inputs (seconds, commit, load) in ``logs/<stage>.json``."""
+    from pipeline.io import write_json
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    write_json(f"logs/{stage}.json", {"stage": stage, "git_commit": git_commit(), "load_average": load,
+                                      **versions(), **info})
 
 
 def set_threads(threads: int | None) -> None:
+    """Torch's intra-op threads (0 or None: its default)."""
     import torch
 
     if threads:

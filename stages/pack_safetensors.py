@@ -12,22 +12,16 @@ Streams tensor by tensor; S3D8 uses the native encoder. Sizes and bits per param
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from pipeline import formats, params
 from pipeline.checkpoint import CheckpointReader
-from pipeline.io import write_json
+from pipeline.fit import check_states
+from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
-from pipeline.packed import write_packed
-from pipeline.qat.states import load_states
+from pipeline.packed import PackParams, write_packed
 from pipeline.stage import console, progress, stage_errors, versions
 from pipeline.teacher import TeacherParams, local_dir
-
-
-@dataclass
-class PackParams:
-    dtype: str = "bfloat16"      # of the tensors that are not quantised
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,28 +30,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     with stage_errors("pack-safetensors"):
-        fmt = args.format
-        if fmt not in formats.QUANTISED:
-            raise ValueError(f"--format {fmt!r}: expected one of {', '.join(formats.QUANTISED)}")
+        fmt = formats.comparison(args.format, "--format")
         p = params.load(PackParams, "pack", args.params)
         teacher = params.load(TeacherParams, "teacher", args.params)
-        states = load_states(f"data/centroids/{fmt}.safetensors", fmt)
+        state_file = f"data/centroids/{fmt.name}.safetensors"
+        states = check_states(fmt, fmt.load_states(state_file), state_file)
         config = load_config(teacher.source).to_dict()
-        report = {"format": fmt, **versions()}
-        for method, source in (("direct-cast", local_dir(teacher.source)), ("qat", f"models/qat/{fmt}")):
-            out = f"models/packed/{fmt}/{method}.safetensors"
-            with progress() as bar:
-                task = bar.add_task(f"pack {fmt} {method}", total=len(states))
-                summary = write_packed(out, CheckpointReader(source), fmt, states, dtype=dtype_of(p.dtype),
-                                       metadata={"config": config, "method": method, "source_model": teacher.source,
-                                                 "teacher": teacher.name, "pack_params": asdict(p), **versions()},
-                                       progress=lambda name: bar.advance(task))
-            summary["size_mb"] = summary["file_bytes"] / 1e6
-            report[method] = summary
-            console.print(f"[green]pack-safetensors[/] {out}: {summary['size_mb']:.2f} MB, "
-                          f"{summary['bits_per_param_nominal']:.3f} bits/param nominal, "
-                          f"{summary['bits_per_param_actual']:.3f} actual")
-        write_json(f"reports/pack/{fmt}.json", report)
+        report = {}
+        with atomic_dir(f"models/packed/{fmt.name}") as out:
+            for method, source in (("direct-cast", local_dir(teacher.source)), ("qat", f"models/qat/{fmt.name}")):
+                path = out / f"{method}.safetensors"
+                with progress() as bar:
+                    task = bar.add_task(f"pack {fmt.name} {method}", total=len(states))
+                    summary = write_packed(path, CheckpointReader(source), fmt, states, dtype=dtype_of(p.dtype),
+                                           metadata={"config": config, "method": method, "source_model": teacher.source,
+                                                     "teacher": teacher.name, "pack_params": asdict(p), **versions()},
+                                           progress=lambda name: bar.advance(task))
+                report[method] = {"size_mb": summary["file_bytes"] / 1e6,
+                                  **{k: v for k, v in summary.items() if k != "format"}}
+                console.print(f"[green]pack-safetensors[/] {fmt.name} {method}: {report[method]['size_mb']:.2f} MB, "
+                              f"{summary['bits_per_param_nominal']:.3f} bits/param nominal, "
+                              f"{summary['bits_per_param_actual']:.3f} actual")
+        write_json(f"reports/pack/{fmt.name}.json", report)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,8 @@ beside it, then renamed), and the loss curve goes to ``reports/toy_teacher/loss.
 
 from __future__ import annotations
 
+import argparse
 import csv
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,8 +19,8 @@ import torch
 from transformers import GenerationConfig
 
 from pipeline import params
-from pipeline.io import atomic_open, write_json
-from pipeline.stage import console, progress, set_threads, stage_errors, versions
+from pipeline.io import atomic_dir, atomic_open, write_json
+from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
 from pipeline.toy import tasks
 from pipeline.toy.model import build_model, count_parameters, tiny_config
 from pipeline.toy.processor import build_processor, text_vocab_size
@@ -33,31 +31,35 @@ from pipeline.toy.train import train
 REPORTS = Path("reports/toy_teacher")
 
 
-def save_atomically(model, processor, generation_config: GenerationConfig, out: Path) -> None:
+def save_teacher(model, processor, generation_config: GenerationConfig, out: Path) -> None:
     """Write the model folder beside ``out``, then swap it in: a crash never leaves a half-written teacher."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         model.generation_config = generation_config
         model.to(torch.bfloat16).save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the teacher is committed and shared
         for f in tmp.iterdir():
-            f.chmod(0o644)
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old.{os.getpid()}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+            f.chmod(0o644)                     # the teacher is committed and shared
 
 
-def main() -> None:
-    p = params.load(ToyTeacherParams, "toy_teacher")
+def inside_project(path: str) -> Path:
+    """``toy_teacher.out`` is replaced whole: it must lie inside the project directory."""
+    out = Path(path).resolve()
+    if out == Path.cwd().resolve() or Path.cwd().resolve() not in out.parents:
+        raise ValueError(f"parameter toy_teacher.out={path!r}: must be a directory inside the project "
+                         f"({Path.cwd()}), since it is replaced whole")
+    return Path(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    with stage_errors("toy-teacher"):
+        run(params.load(ToyTeacherParams, "toy_teacher", args.params))
+
+
+def run(p: ToyTeacherParams) -> None:
+    out = inside_project(p.out)
     set_threads(p.threads)
     t0 = time.perf_counter()
     processor = build_processor(tasks.text_corpus(p.corpus_items, p.seed), vocab_size=p.vocab_size)
@@ -86,7 +88,7 @@ def main() -> None:
         bos_token_id=config.text_config.bos_token_id, eos_token_id=config.text_config.eos_token_id,
         pad_token_id=config.text_config.pad_token_id,
     )
-    save_atomically(model, processor, generation_config, Path(p.out))
+    save_teacher(model, processor, generation_config, out)
 
     fields = sorted({k for r in rows for k in r}, key=lambda k: (not k.startswith("step"), k.startswith("heldout"), k))
     with atomic_open(reports / "loss.csv", newline="") as f:
@@ -94,20 +96,14 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     write_json(reports / "train.json", {
-        "seed": p.seed,
         "parameters": count_parameters(model),
         "vocabulary": len(processor.tokenizer),
-        "steps": p.train.steps,
-        "batch_size": p.train.batch_size,
-        "train_seconds": round(train_seconds, 1),
-        "threads": p.threads,
         "final_heldout": {k: v for k, v in rows[-1].items() if k.startswith("heldout/")} if rows else {},
-        "versions": versions(),
-        "params": asdict(p),
     })
+    write_json(reports / "provenance.json", {"params": asdict(p), "versions": versions()})
+    run_log("toy-teacher", train_seconds=round(train_seconds, 1), threads=p.threads)
     console.print(f"saved {p.out} after {train_seconds / 60:.1f} min")
 
 
 if __name__ == "__main__":
-    with stage_errors("toy-teacher"):
-        main()
+    main()

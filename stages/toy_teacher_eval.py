@@ -13,6 +13,7 @@ Writes ``reports/teacher_eval.json``, ``reports/teacher_eval.md`` and the per-ex
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,9 +23,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from pipeline import params
 from pipeline.eval.runner import evaluate, generate
-from pipeline.eval.tasks import load_toy
+from pipeline.toy.tasks import load_toy
 from pipeline.io import atomic_path, write_json, write_text
-from pipeline.stage import console, set_threads, stage_errors, versions
+from pipeline.stage import console, run_log, set_threads, stage_errors, versions
 from pipeline.toy.model import count_parameters
 from pipeline.toy.settings import ToyTeacherParams
 from pipeline.toy.tasks import DESCRIBE, TOY_TASKS, items
@@ -72,14 +73,21 @@ def markdown(summary: dict) -> str:
         f"{g['exact']:.3f}, as it but for letter case {g['ignoring_case']:.3f}; of the {g['capitals_n']} asking for "
         "capitals, " + (f"{g['capitals_ignoring_case']:.3f} but for letter case." if g["capitals_n"] else "none drawn."),
         "",
-        f"Evaluation took {summary['seconds']:.0f} s. Per-example answers: `reports/teacher_eval_examples.parquet`.",
+        "Per-example answers: `reports/teacher_eval_examples.parquet`.",
         "",
     ]
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = params.load(ToyTeacherParams, "toy_teacher")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    with stage_errors("toy-teacher-eval"):
+        run(params.load(ToyTeacherParams, "toy_teacher", args.params))
+
+
+def run(p: ToyTeacherParams) -> None:
     set_threads(p.threads)
     teacher = Path(p.out)
     if not (teacher / "config.json").exists():
@@ -94,27 +102,21 @@ def main() -> None:
         console.print(f"  {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[condition].scores.items())
                       + f", avg {results[condition].avg:.3f}")
     image = results["image"]
-    if p.eval.generic_n < 1:
-        raise ValueError(f"toy_teacher.eval.generic_n must be at least 1, got {p.eval.generic_n}")
     generic = generic_requests(model, processor, p.eval.generic_n, p.eval.seed, p.eval.batch_size)
     console.print(f"  generic requests ({generic['n']}): exact {generic['exact']:.3f}, ignoring case "
                   f"{generic['ignoring_case']:.3f}; asking for capitals ({generic['capitals_n']}): {generic['capitals_ignoring_case']}")
     summary = {
-        "teacher": str(teacher),
         "parameters": count_parameters(model),
-        "n": p.eval.n,
-        "seed": p.eval.seed,
         "image": {"scores": image.scores, "avg": image.avg},
         "blank": {"scores": results["blank"].scores, "avg": results["blank"].avg},
         "generic": generic,
         "bar_met": min(image.scores.values()) >= MIN_TASK and image.avg >= MIN_AVG,
-        "seconds": round(sum(sum(r.meta["seconds"].values()) for r in results.values()), 1),
-        "decoding": image.meta["decoding"],
-        "max_new_tokens": image.meta["max_new_tokens"],
-        "versions": versions(),
     }
+    about = {"teacher": str(teacher), "n": p.eval.n, "seed": p.eval.seed, "decoding": image.meta["decoding"],
+             "max_new_tokens": image.meta["max_new_tokens"], "versions": versions()}
     write_json(REPORTS / "teacher_eval.json", summary)
-    write_text(REPORTS / "teacher_eval.md", markdown(summary))
+    write_text(REPORTS / "teacher_eval.md", markdown({**summary, **about}))
+    run_log("toy-teacher-eval", seconds=round(sum(sum(r.meta["seconds"].values()) for r in results.values()), 1))
     tables = []
     for condition, result in results.items():
         t = result.examples
@@ -126,5 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with stage_errors("toy-teacher-eval"):
-        main()
+    main()

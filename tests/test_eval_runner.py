@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pipeline.eval.runner import EvalResult, evaluate, generate
-from pipeline.eval.tasks import load_benchmark, load_toy
+from pipeline.eval.tasks import load_benchmark
+from pipeline.toy.tasks import load_toy
 from pipeline.toy import model as M
 from pipeline.toy import processor as P
 from pipeline.toy import tasks

@@ -43,12 +43,12 @@ def test_packed_model_equals_the_qat_forward(tiny_checkpoint, tmp_path, fmt):
     states = fit_all(tiny_checkpoint, fmt)
     out = tmp_path / f"{fmt}.safetensors"
     teacher = load_model(str(tiny_checkpoint), torch.float32)
-    summary = write_packed(out, CheckpointReader(tiny_checkpoint), fmt, states, dtype=torch.float32,
+    summary = write_packed(out, CheckpointReader(tiny_checkpoint), formats.get(fmt), states, dtype=torch.float32,
                            metadata={"config": teacher.config.to_dict()})
     assert summary["file_bytes"] == out.stat().st_size
     packed_model = load_packed_model(out)
     qat = load_model(str(tiny_checkpoint), torch.float32)
-    prepare(qat, fmt, states_by_module(qat, states), act_quant=True)
+    prepare(qat, formats.get(fmt), states_by_module(qat, states), act_quant=True)
     inputs = tiny_inputs()
     with torch.no_grad():
         assert torch.equal(packed_model(**inputs).logits, qat(**inputs).logits)
@@ -57,7 +57,7 @@ def test_packed_model_equals_the_qat_forward(tiny_checkpoint, tmp_path, fmt):
 def test_s3d8_file_follows_spec_section_7(tiny_checkpoint, tmp_path):
     states = fit_all(tiny_checkpoint, "s3d8")
     out = tmp_path / "s3d8.safetensors"
-    write_packed(out, CheckpointReader(tiny_checkpoint), "s3d8", states)
+    write_packed(out, CheckpointReader(tiny_checkpoint), formats.get("s3d8"), states)
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
         assert meta["llama_mobile_format"] == "llama-mobile-s3d8-packed-v1"
@@ -77,7 +77,7 @@ def test_bad_packed_files_name_the_tensor(tiny_checkpoint, tmp_path):
     states = fit_all(tiny_checkpoint, "s3d8")
     teacher = load_model(str(tiny_checkpoint), torch.float32)
     good = tmp_path / "good.safetensors"
-    write_packed(good, CheckpointReader(tiny_checkpoint), "s3d8", states, metadata={"config": teacher.config.to_dict()})
+    write_packed(good, CheckpointReader(tiny_checkpoint), formats.get("s3d8"), states, metadata={"config": teacher.config.to_dict()})
     with safe_open(str(good), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
         meta = f.metadata()
@@ -107,7 +107,7 @@ def test_native_kernel_model_matches_the_decoded_model(tiny_checkpoint, tmp_path
     states = fit_all(tiny_checkpoint, "s3d8")
     out = tmp_path / "s3d8.safetensors"
     teacher = load_model(str(tiny_checkpoint), torch.float32)
-    write_packed(out, CheckpointReader(tiny_checkpoint), "s3d8", states, dtype=torch.float32,
+    write_packed(out, CheckpointReader(tiny_checkpoint), formats.get("s3d8"), states, dtype=torch.float32,
                  metadata={"config": teacher.config.to_dict()})
     inputs = tiny_inputs()
     with torch.no_grad():

@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from pipeline import formats
-from pipeline.qat.api import prepare, quantised_modules
+from pipeline.qat.api import prepare
+from pipeline.recipe import quantised_modules
 from pipeline.qat.loss import response_kl_sum
 from pipeline.qat.modules import QuantEmbedding, QuantLinear
-from pipeline.qat.states import load_states, save_states
 from pipeline.quant import fake_quant_activations
 
 
@@ -29,7 +29,7 @@ def fitted(model, fmt):
 def test_prepare_swaps_linear_and_embedding_only(fmt):
     torch.manual_seed(0)
     model = Tiny()
-    names = prepare(model, fmt, fitted(model, fmt))
+    names = prepare(model, formats.get(fmt), fitted(model, fmt))
     assert names == ["embed", "proj"]
     assert isinstance(model.proj, QuantLinear) and isinstance(model.embed, QuantEmbedding)
     assert isinstance(model.conv, nn.Conv2d) and isinstance(model.norm, nn.LayerNorm)
@@ -41,7 +41,7 @@ def test_quant_linear_forward_is_quantised_weight_and_int8_activations():
     model = Tiny()
     states = fitted(model, "s3d8")
     w = model.proj.weight.detach().clone()
-    prepare(model, "s3d8", states, act_quant=True)
+    prepare(model, formats.get("s3d8"), states, act_quant=True)
     x = torch.randn(5, 32)
     wq = formats.get("s3d8").quantize(w, states["proj"])
     want = torch.nn.functional.linear(fake_quant_activations(x), wq, model.proj.bias)
@@ -53,7 +53,7 @@ def test_quant_linear_forward_is_quantised_weight_and_int8_activations():
 def test_gradient_reaches_the_master_weights():
     torch.manual_seed(0)
     model = Tiny()
-    prepare(model, "s3d8", fitted(model, "s3d8"))
+    prepare(model, formats.get("s3d8"), fitted(model, "s3d8"))
     out = model.proj(model.embed(torch.tensor([1, 2])))
     out.sum().backward()
     assert model.proj.weight.grad is not None and model.proj.weight.grad.abs().sum() > 0
@@ -65,7 +65,7 @@ def test_missing_state_names_the_module():
     states = fitted(model, "s3d8")
     del states["proj"]
     with pytest.raises(ValueError, match="'proj'"):
-        prepare(model, "s3d8", states)
+        prepare(model, formats.get("s3d8"), states)
 
 
 def test_response_kl_counts_only_masked_positions():
@@ -86,12 +86,15 @@ def test_response_kl_counts_only_masked_positions():
 def test_states_round_trip(tmp_path):
     model = Tiny()
     states = fitted(model, "student_t")
-    save_states(tmp_path / "st.safetensors", "student_t", states, {"seed": 0})
-    back = load_states(tmp_path / "st.safetensors", "student_t")
+    formats.get("student_t").save_states(tmp_path / "st.safetensors", states, {"seed": 0})
+    first = (tmp_path / "st.safetensors").read_bytes()
+    formats.get("student_t").save_states(tmp_path / "st.safetensors", states, {"seed": 0})
+    assert (tmp_path / "st.safetensors").read_bytes() == first          # byte-reproducible
+    back = formats.get("student_t").load_states(tmp_path / "st.safetensors")
     assert back.keys() == states.keys()
     assert all(torch.equal(back[m][k], states[m][k]) for m in states for k in states[m])
     with pytest.raises(ValueError, match="not 's3d8'"):
-        load_states(tmp_path / "st.safetensors", "s3d8")
+        formats.get("s3d8").load_states(tmp_path / "st.safetensors")
     empty = {name: {} for name in states}
-    save_states(tmp_path / "bf16.safetensors", "bf16", empty)
-    assert load_states(tmp_path / "bf16.safetensors") == empty
+    formats.get("bf16").save_states(tmp_path / "bf16.safetensors", empty)
+    assert formats.get("bf16").load_states(tmp_path / "bf16.safetensors") == empty

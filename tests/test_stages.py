@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,6 +15,8 @@ from safetensors import safe_open
 
 from pipeline.shards import read_shard
 from tests.stage_helpers import build_tiny_teacher, run_stage, run_stage_killed_after, workdir
+
+STAGES = Path(__file__).resolve().parent.parent / "stages"
 
 CHAIN = [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",),
          ("qat_train.py", "--format", "s3d8"), ("pack_safetensors.py", "--format", "s3d8"), ("eval.py",)]
@@ -63,14 +68,18 @@ def test_teacher_generate_resumes_after_a_kill(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher)
     shutil.copytree(chain / "data/sampled", cwd / "data/sampled")
     run_stage_killed_after(cwd, "pipeline.shards.write_shard", "teacher_generate.py")
-    done = sorted(p.name for p in (cwd / "data/teacher").glob("shard-*.parquet"))
+    work = cwd / "checkpoints/teacher-generate"
+    done = sorted(p.name for p in work.glob("shard-*.parquet"))
     assert done == ["shard-00000.parquet"], done
+    assert not (cwd / "data/teacher").exists()          # the DVC output appears only whole
     # A truncated shard (a crash mid-write elsewhere) is regenerated, not trusted.
-    (cwd / "data/teacher/shard-00001.parquet").write_bytes(b"PAR1 truncated")
+    (work / "shard-00001.parquet").write_bytes(b"PAR1 truncated")
     log = run_stage(cwd, "teacher_generate.py").stderr
     assert "already done" in log
+    assert sorted(p.name for p in (cwd / "data/teacher").iterdir()) == \
+        sorted(p.name for p in (chain / "data/teacher").iterdir())        # no stray file in the output
     for ref in sorted((chain / "data/teacher").glob("*.parquet")):
-        assert read_shard(cwd / "data/teacher" / ref.name)[0].equals(read_shard(ref)[0])
+        assert (cwd / "data/teacher" / ref.name).read_bytes() == ref.read_bytes()
 
 
 def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, teacher):
@@ -78,7 +87,7 @@ def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, te
     for part in ("data/sampled", "data/teacher", "data/centroids"):
         shutil.copytree(chain / part, cwd / part)
     run_stage_killed_after(cwd, "pipeline.qat.train._save_checkpoint", "qat_train.py", "--format", "s3d8")
-    assert (cwd / "checkpoints/qat/s3d8.pt").exists()
+    assert (cwd / "checkpoints/qat/s3d8.safetensors").exists()
     log = run_stage(cwd, "qat_train.py", "--format", "s3d8").stderr
     assert "resuming at step" in log
     with safe_open(str(chain / "models/qat/s3d8/model.safetensors"), "pt") as a, \
@@ -86,9 +95,37 @@ def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, te
         assert set(a.keys()) == set(b.keys())
         for key in a.keys():
             assert a.get_tensor(key).equal(b.get_tensor(key)), key
-    assert not (cwd / "checkpoints/qat/s3d8.pt").exists()
+    assert not (cwd / "checkpoints/qat/s3d8.safetensors").exists()
     kl = (cwd / "reports/qat/s3d8/plots/metrics/train/kl.tsv").read_text()
     assert kl == (chain / "reports/qat/s3d8/plots/metrics/train/kl.tsv").read_text()
+
+
+def test_a_planted_pickle_never_runs_and_training_starts_afresh(chain, tmp_path, teacher):
+    cwd = workdir(tmp_path, teacher, **{"qat.steps": 2})
+    for part in ("data/teacher", "data/centroids"):
+        shutil.copytree(chain / part, cwd / part)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    import pickle
+    (cwd / "checkpoints/qat").mkdir(parents=True)
+    (cwd / "checkpoints/qat/s3d8.safetensors").write_bytes(pickle.dumps(Evil()))
+    log = run_stage(cwd, "qat_train.py", "--format", "s3d8").stderr
+    assert not marker.exists()
+    assert "not a readable checkpoint" in log and "starting afresh" in log
+
+
+def test_every_stage_has_help_without_side_effects(tmp_path):
+    for script in sorted(STAGES.glob("*.py")):
+        if script.name == "__init__.py":
+            continue
+        proc = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (script.name, proc.stderr[-500:])
+        assert not any(tmp_path.iterdir()), f"{script.name} --help wrote {list(tmp_path.iterdir())}"
 
 
 def test_missing_teacher_is_named(tmp_path, teacher):

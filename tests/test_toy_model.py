@@ -7,7 +7,8 @@ from transformers import AutoModelForImageTextToText, MllamaForConditionalGenera
 from pipeline.toy import model as M
 from pipeline.toy import processor as P
 from pipeline.toy import tasks
-from pipeline.toy.batch import IGNORE, chat_prompt, encode
+from pipeline.chat import chat_prompt
+from pipeline.toy.batch import IGNORE, encode
 from pipeline.toy.train import TrainSettings, train
 
 SMALL = M.ModelSize(vision_hidden=32, vision_layers=2, vision_global_layers=1, vision_heads=2, vision_intermediate=64,

@@ -7,7 +7,7 @@ from transformers import AutoProcessor
 
 from pipeline.toy import processor as P
 from pipeline.toy import tasks
-from pipeline.toy.batch import chat_prompt, plain_prompt
+from pipeline.chat import chat_prompt, plain_prompt
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from pipeline.eval import metrics
-from pipeline.eval.tasks import family_of, score, load_toy
+from pipeline.eval.tasks import family_of, score
+from pipeline.toy.tasks import load_toy
 from pipeline.prompts import load_pool
 from pipeline.toy import charts, describe, diagrams, documents, draw, shapes, tasks
 

@@ -9,10 +9,11 @@ from safetensors import safe_open
 from transformers import AutoModelForImageTextToText, AutoProcessor, MllamaForConditionalGeneration
 
 from pipeline.eval.runner import evaluate, generate
-from pipeline.eval.tasks import load_toy
+from pipeline.toy.tasks import load_toy
 from pipeline.toy import shapes, tasks
 from pipeline.toy.describe import read_request
-from pipeline.toy.batch import encode, plain_prompt
+from pipeline.chat import plain_prompt
+from pipeline.toy.batch import encode
 
 TEACHER = Path(__file__).resolve().parents[1] / "data" / "toy-teacher"
 

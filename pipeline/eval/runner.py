@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 from transformers import GenerationConfig
 
+from pipeline.chat import chat_prompt
 from pipeline.eval.tasks import DEFAULT_N, EvalExample, family_of, load_task, score
 from pipeline.io import atomic_path
 
@@ -47,11 +48,6 @@ class EvalResult:
     def write_examples(self, path) -> None:
         with atomic_path(path) as tmp:
             pq.write_table(self.examples, tmp)
-
-
-def chat_text(processor, user_text: str) -> str:
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user_text}]}]
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def _greedy_config(model, processor, max_new_tokens: int) -> GenerationConfig:
@@ -93,7 +89,7 @@ def generate(
         idx = order[start : start + batch_size]
         inputs = processor(
             images=[[images[i].convert("RGB")] for i in idx],
-            text=[chat_text(processor, prompts[i]) for i in idx],
+            text=[chat_prompt(processor, prompts[i]) for i in idx],
             add_special_tokens=False,  # the chat template already begins with BOS
             padding=True,
             padding_side="left",

@@ -152,34 +152,45 @@ def load_benchmark(name: str, n: int = DEFAULT_N, seed: int = 0, source: str | N
     return [bench.to_example(name, r, row) for r, row in zip(rows, ds.select(rows))]
 
 
-# --- toy tasks ------------------------------------------------------------------------------------------
+# --- the task registry ------------------------------------------------------------------------------------
+
+TaskLoader = Callable[[int, int, "str | None"], list[EvalExample]]   # (n, seed, source) -> examples
 
 
-def load_toy(name: str, n: int = DEFAULT_N, seed: int = 0) -> list[EvalExample]:
-    """``n`` held-out items of a toy task (generated, so no shuffle is needed: items are i.i.d.)."""
-    from pipeline.toy import tasks as toy
+@dataclass(frozen=True)
+class Task:
+    name: str
+    family: str          # which metric scores it: vqa, chartqa, docvqa or ai2d
+    load: TaskLoader
 
-    return [
-        EvalExample(name, it.id, it.image, it.question, it.prompt, it.references, it.options, it.answer_index)
-        for it in toy.items(name, n, seed, "test")
-    ]
+
+_TASKS: dict[str, Task] = {}
+
+
+def register(name: str, family: str, load: TaskLoader) -> None:
+    """Make task ``name`` known to :func:`load_task` (the toy world registers its tasks this way)."""
+    if family not in FAMILIES:
+        raise ValueError(f"task {name!r}: unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    _TASKS[name] = Task(name, family, load)
+
+
+FAMILIES = ("vqa", "chartqa", "docvqa", "ai2d")
+for _bench in BENCHMARKS.values():
+    register(_bench.name, _bench.family,
+             lambda n, seed, source, _name=_bench.name: load_benchmark(_name, n, seed, source))
+
+
+def known() -> list[str]:
+    return sorted(_TASKS)
 
 
 def family_of(name: str) -> str:
-    from pipeline.toy.tasks import TASK_FAMILY
-
-    if name in BENCHMARKS:
-        return BENCHMARKS[name].family
-    if name in TASK_FAMILY:
-        return TASK_FAMILY[name]
-    raise ValueError(f"unknown task {name!r}; known: {sorted(BENCHMARKS) + sorted(TASK_FAMILY)}")
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r}; known: {known()} (toy tasks are known once pipeline.toy is imported)")
+    return _TASKS[name].family
 
 
 def load_task(name: str, n: int = DEFAULT_N, seed: int = 0, source: str | None = None) -> list[EvalExample]:
-    """Examples of any task: a toy task ("toy-vqa", ...) or a real benchmark ("vqav2", ...)."""
+    """Examples of any registered task: a real benchmark ("vqav2", ...) or a toy task ("toy-vqa", ...)."""
     family_of(name)
-    if name in BENCHMARKS:
-        return load_benchmark(name, n, seed, source)
-    if source is not None:
-        raise ValueError(f"{name}: toy tasks are generated, they take no source")
-    return load_toy(name, n, seed)
+    return _TASKS[name].load(n, seed, source)

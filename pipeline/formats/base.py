@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Protocol
 
@@ -58,3 +59,85 @@ def round_up(a: int, b: int) -> int:
 
 
 LOG2_6 = math.log2(6)
+
+
+PackedSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+"""The tensors one packed weight is stored as: ``{suffix: (dtype, shape)}``, saved as ``P.weight.<suffix>``."""
+
+
+class FormatBase:
+    """What every format shares: its identity, the fitted-state file, and (for formats with a packed
+    layout) the packed tensors of one weight. A format module subclasses it and fills in its own parts.
+
+    Capability flags tell the rest of the pipeline what a format can do, so no other module asks for
+    a format by name: ``comparison`` (one of the paper's 2.6-2.7-bit formats: fitted, trained, packed
+    and evaluated by the DVC matrix), ``native_kernel`` (the native kernels run its packed bytes).
+    """
+
+    name: str = ""
+    label: str = ""                       # how reports name it ("S3D8", "student-t" ...)
+    comparison: bool = False
+    native_kernel: bool = False
+    layout: str | None = None             # the packed file's layout name (metadata ``layout``); None: not packable
+    suffixes: tuple[str, ...] = ()        # packed tensors of one weight, ``P.weight.<suffix>``
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}>"
+
+    # --- packed tensors of one weight (formats with a layout override these) ---------------------------
+
+    def packed_specs(self, shape: tuple[int, int], state: State) -> PackedSpecs:
+        raise ValueError(f"format {self.name!r} has no packed layout")
+
+    def pack(self, weight: torch.Tensor, state: State) -> dict[str, torch.Tensor]:
+        """The packed tensors of ``weight`` (``{suffix: tensor}``, as :meth:`packed_specs` describes them)."""
+        raise ValueError(f"format {self.name!r} has no packed layout")
+
+    def unpack(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        """Decode packed tensors back to the ``float32 [d_out, d_in]`` weight (equal to :meth:`quantize`)."""
+        raise ValueError(f"format {self.name!r} has no packed layout")
+
+    def file_metadata(self) -> dict[str, str]:
+        """Extra metadata a packed file of this format carries (e.g. an interoperability marker)."""
+        return {}
+
+    # --- fitted states of a whole model ---------------------------------------------------------------
+
+    def save_states(self, path, states: dict[str, State], metadata: dict | None = None) -> None:
+        """Write fitted states: the tensor ``key`` of the weight ``P.weight`` as ``P.weight.key`` (the
+        packed file's naming); metadata names the format. Same states, same bytes."""
+        from pipeline.checkpoint import write_tensors
+
+        tensors = {f"{module}.weight.{key}": t.contiguous() for module, st in states.items()
+                   for key, t in st.items()}
+        meta = {"format": self.name, "modules": json.dumps(list(states))}
+        meta.update({k: v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+                     for k, v in (metadata or {}).items()})
+        write_tensors(path, tensors, meta)
+
+    def load_states(self, path) -> dict[str, State]:
+        """Read the states written by :meth:`save_states`; a file of another format is an error naming it."""
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: fitted-state file not found (run the fit-centroids stage)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != self.name:
+                    raise ValueError(f"{path}: holds the state of format {meta.get('format')!r}, not {self.name!r}")
+                modules = json.loads(meta.get("modules", "[]"))
+                if not isinstance(modules, list):
+                    raise ValueError(f"{path}: metadata 'modules' is not a list")
+                states: dict[str, State] = {m: {} for m in modules}
+                for name in f.keys():
+                    weight, _, key = name.rpartition(".")
+                    states.setdefault(weight.removesuffix(".weight"), {})[key] = f.get_tensor(name)
+        except ValueError:
+            raise
+        except Exception as e:  # safetensors raises its own errors for truncated or foreign files
+            raise ValueError(f"{path}: not a readable fitted-state file ({type(e).__name__}: {e})") from None
+        return states

@@ -12,9 +12,11 @@ and ties go to the lowest index.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from pipeline.formats.base import State, ceil_div, check_shape, check_weight, round_up
+from pipeline.formats.base import FormatBase, PackedSpecs, State, ceil_div, check_shape, check_weight, round_up
 from pipeline.quant import channel_scale, straight_through
 
 NAME = "s3d8"
@@ -272,8 +274,20 @@ def fit_centroids(weight: torch.Tensor, *, seed: int = 0, max_vectors: int = 2 *
     return centroids.round().clamp(0, 127).to(torch.int8)
 
 
-class S3D8:
+LAYOUT = "llama-mobile-s3d8-packed-v1"
+"""The packed layout of SPEC section 7, readable by the Llama-Mobile reference loader."""
+
+
+class S3D8(FormatBase):
+    """S3D8 as a format: the centroid table is its fitted state; packed as ``P.weight.packed`` (uint8,
+    1-D), ``P.weight.scale`` (bf16 ``[d_out, 1]``) and ``P.weight.table`` (int8 ``[32, 3]``)."""
+
     name = NAME
+    label = "S3D8"
+    comparison = True
+    native_kernel = True
+    layout = LAYOUT
+    suffixes = ("packed", "scale", "table")
 
     def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
         return {"table": fit_centroids(weight, seed=seed)}
@@ -288,3 +302,29 @@ class S3D8:
     def storage_bytes(self, shape) -> int:
         rows, cols = packed_shape(shape)
         return rows * cols + 2 * shape[0] + TABLE_BYTES
+
+    def packed_specs(self, shape, state: State) -> PackedSpecs:
+        rows, cols = packed_shape(shape)
+        return {"packed": (torch.uint8, (rows * cols,)), "scale": (torch.bfloat16, (shape[0], 1)),
+                "table": (torch.int8, (N_CENTROIDS, GROUP))}
+
+    def pack(self, weight: torch.Tensor, state: State) -> dict[str, torch.Tensor]:
+        native = native_or_none()
+        if native is not None:
+            packed, scale = native.s3d8_encode(weight.float().contiguous(), state["table"])
+        else:  # the reference encoder is bit-identical (tested), only slower
+            warnings.warn("native S3D8 library not built (run ./setup.sh); packing with the Python encoder")
+            packed, scale = encode(weight.float(), state["table"])
+        return {"packed": packed.reshape(-1), "scale": scale, "table": state["table"]}
+
+    def unpack(self, tensors: dict[str, torch.Tensor], shape) -> torch.Tensor:
+        return decode(tensors["packed"], tensors["scale"], tensors["table"], shape)
+
+    def file_metadata(self) -> dict[str, str]:
+        return {"llama_mobile_format": LAYOUT}
+
+    def native_linear(self, tensors: dict[str, torch.Tensor], shape, bias: torch.Tensor | None):
+        """An ``nn.Module`` running the packed bytes on the native kernels (INT8 activations per token)."""
+        from pipeline import native
+
+        return native.S3D8Linear(tensors["packed"], tensors["scale"], tensors["table"], shape, bias)

@@ -1,12 +1,10 @@
-"""Scalar 6-level formats of the paper's comparison (SPEC section 3): one code point per weight.
+"""The mechanism the 6-level formats of the paper's comparison share (SPEC section 3): one code point per
+weight. The formats themselves are ``int.py``, ``student_t.py`` and ``lloyd_max.py``.
 
-They share one mechanism: a bf16 absmax scale per block of the input dimension (a 128-wide block,
-or the whole row for a channel scale), then the nearest of 6 sorted code points (ties go to the
-lower code point). What differs is where the code points come from:
-
-- ``int``: the integers {-3, ..., 2}; the scale maps the block's absmax to 3.
-- ``student_t``: code points fitted to a Student-t distribution (blocks of 128).
-- ``lloyd_max``: code points fitted by 1-D Lloyd-Max to the normalised weights (channel scale).
+A bf16 absmax scale per block of the input dimension (a 128-wide block, or the whole row for a channel
+scale), then the nearest of 6 sorted code points (ties go to the lower code point). What differs is where
+the code points come from: ``int`` uses the integers {-3, ..., 2}, ``student_t`` fits them to a Student-t
+distribution, ``lloyd_max`` runs 1-D Lloyd-Max on the normalised weights.
 
 Storage (a layout of ours, not the paper's): 3 codes per byte in base 6, row-major, padded to a whole
 byte; bf16 scales; float32 code points. ``bits_per_param`` counts ``log2(6)`` per weight as the
@@ -19,7 +17,7 @@ import math
 
 import torch
 
-from pipeline.formats.base import LOG2_6, State, ceil_div, check_shape, check_weight
+from pipeline.formats.base import LOG2_6, FormatBase, PackedSpecs, State, ceil_div, check_shape, check_weight
 from pipeline.quant import channel_scale, straight_through
 
 N_LEVELS = 6
@@ -29,11 +27,11 @@ BLOCK = 128
 def block_scales(weight: torch.Tensor, block: int | None, qmax: float) -> torch.Tensor:
     """bf16 absmax/qmax scale per ``block``-wide slice of each row (``None``: the whole row),
     shape ``[d_out, n_blocks]``."""
-    w = _blocked(weight.detach(), block)
+    w = blocked(weight.detach(), block)
     return channel_scale(w, qmax).squeeze(-1)
 
 
-def _blocked(weight: torch.Tensor, block: int | None) -> torch.Tensor:
+def blocked(weight: torch.Tensor, block: int | None) -> torch.Tensor:
     d_out, d_in = weight.shape
     block = d_in if block is None else block
     n_blocks = ceil_div(d_in, block)
@@ -52,7 +50,7 @@ def nearest_code(u: torch.Tensor, codepoints: torch.Tensor) -> torch.Tensor:
 def _codes_and_scales(weight: torch.Tensor, codepoints: torch.Tensor, block: int | None,
                       qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Code index per weight ``[d_out, n_blocks, block]`` (padding included) and bf16 scales."""
-    w = _blocked(weight.detach(), block)
+    w = blocked(weight.detach(), block)
     scale = channel_scale(w, qmax)
     return nearest_code(w / scale.float(), codepoints.to(w.device)), scale
 
@@ -117,7 +115,7 @@ def check_codepoints(codepoints: torch.Tensor) -> torch.Tensor:
     return codepoints.float()
 
 
-def _sample(values: torch.Tensor, max_values: int, seed: int) -> torch.Tensor:
+def subsample(values: torch.Tensor, max_values: int, seed: int) -> torch.Tensor:
     values = values.reshape(-1)
     if values.numel() <= max_values:
         return values
@@ -155,13 +153,20 @@ def lloyd_max_1d(values: torch.Tensor, weights: torch.Tensor | None = None, *, l
     return code
 
 
-class _Scalar6:
-    """Shared bookkeeping of the three 6-level formats."""
+LAYOUT = "s3d8-pipeline-scalar6-v1"
+"""Our packed layout of the 6-level formats (README, "Packed files")."""
 
-    name: str
+
+class Scalar6(FormatBase):
+    """The mechanism the three 6-level formats share: block scales, sorted code points, base-6 codes.
+    A subclass sets ``block`` (None: the whole row), ``qmax`` and ``fit``."""
+
     block: int | None
     qmax: float
     table_bytes: int = N_LEVELS * 4
+    comparison = True
+    layout = LAYOUT
+    suffixes = ("codes", "scale", "codepoints")
 
     def bits_per_param(self, shape) -> float:
         _, d_in = check_shape(shape)
@@ -175,79 +180,15 @@ class _Scalar6:
     def quantize(self, weight: torch.Tensor, state: State) -> torch.Tensor:
         return quantize_scalar(weight, state["codepoints"], self.block, self.qmax)
 
+    def packed_specs(self, shape, state: State) -> PackedSpecs:
+        d_out, d_in = check_shape(shape)
+        n_blocks = ceil_div(d_in, self.block or d_in)
+        return {"codes": (torch.uint8, (ceil_div(d_out * d_in, 3),)),
+                "scale": (torch.bfloat16, (d_out, n_blocks)), "codepoints": (torch.float32, (N_LEVELS,))}
 
-class Int6(_Scalar6):
-    """6-level integer {-3..2}, bf16 absmax scale per 128-wide block (absmax maps to 3, so the top
-    positive level 2 clips the largest positive values: the format is asymmetric by construction)."""
+    def pack(self, weight: torch.Tensor, state: State) -> dict[str, torch.Tensor]:
+        codes, scale = encode(weight.float(), state["codepoints"], self.block, self.qmax)
+        return {"codes": codes, "scale": scale, "codepoints": state["codepoints"].float()}
 
-    name = "int"
-    block = BLOCK
-    qmax = 3.0
-    table_bytes = 0
-    CODEPOINTS = torch.arange(-3, 3, dtype=torch.float32)
-
-    def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
-        check_weight(weight)
-        return {"codepoints": self.CODEPOINTS.clone()}
-
-
-class StudentT(_Scalar6):
-    """6 code points fitted to a Student-t distribution, bf16 absmax scale per 128-wide block.
-
-    ``fit`` estimates the Student-t (degrees of freedom and scale, by maximum likelihood over a grid)
-    of the block-normalised weights, truncated to [-1, 1] where absmax scaling puts them, then places
-    the code points by Lloyd-Max on that fitted density: the weights choose the distribution's shape,
-    the distribution (not the sample) chooses the code points.
-    """
-
-    name = "student_t"
-    block = BLOCK
-    qmax = 1.0
-    DOF_GRID = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0, 10.0, 15.0, 30.0, 100.0)
-    SCALE_GRID = torch.logspace(-2.5, 0.5, 61, dtype=torch.float64)
-    MAX_SAMPLES = 2 ** 14       # ample for a two-parameter maximum-likelihood fit
-
-    def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
-        check_weight(weight)
-        w = _blocked(weight.detach(), self.block)
-        u = (w / channel_scale(w, self.qmax).float()).reshape(weight.shape[0], -1)[:, :weight.shape[1]]
-        u = _sample(u, self.MAX_SAMPLES, seed).double()   # padding excluded: it is not data
-        dof, sigma = self.fit_distribution(u)
-        grid = torch.linspace(-1, 1, 4001, dtype=torch.float64)
-        density = self.log_density(grid, dof, sigma).exp()
-        return {"codepoints": lloyd_max_1d(grid, density),
-                "dof": torch.tensor(dof, dtype=torch.float32),
-                "sigma": torch.tensor(sigma, dtype=torch.float32)}
-
-    @staticmethod
-    def log_density(x: torch.Tensor, dof: float, sigma: torch.Tensor | float) -> torch.Tensor:
-        """Unnormalised Student-t log density."""
-        return torch.log1p((x / sigma) ** 2 / dof) * (-(dof + 1) / 2)
-
-    def fit_distribution(self, u: torch.Tensor) -> tuple[float, float]:
-        """Maximum-likelihood (dof, sigma) of a Student-t truncated to [-1, 1], over a grid."""
-        grid = torch.linspace(-1, 1, 1001, dtype=torch.float64)
-        sigma = self.SCALE_GRID[:, None]
-        best = (-math.inf, 0.0, 0.0)
-        for dof in self.DOF_GRID:
-            log_norm = torch.log(torch.trapezoid(self.log_density(grid[None, :], dof, sigma).exp(), grid, dim=1))
-            ll = self.log_density(u[None, :], dof, sigma).mean(dim=1) - log_norm
-            i = int(torch.argmax(ll))
-            if float(ll[i]) > best[0]:
-                best = (float(ll[i]), dof, float(self.SCALE_GRID[i]))
-        return best[1], best[2]
-
-
-class LloydMax(_Scalar6):
-    """6 code points fitted by 1-D Lloyd-Max to the channel-normalised weights, bf16 absmax scale
-    per output channel (the whole row is one block)."""
-
-    name = "lloyd_max"
-    block = None
-    qmax = 1.0
-    MAX_SAMPLES = 2 ** 22
-
-    def fit(self, weight: torch.Tensor, seed: int = 0) -> State:
-        check_weight(weight)
-        u = weight.detach().float() / channel_scale(weight, self.qmax).float()
-        return {"codepoints": lloyd_max_1d(_sample(u, self.MAX_SAMPLES, seed))}
+    def unpack(self, tensors: dict[str, torch.Tensor], shape) -> torch.Tensor:
+        return decode(tensors["codes"], tensors["scale"], tensors["codepoints"], self.block, shape)

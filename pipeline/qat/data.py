@@ -98,3 +98,10 @@ def collate(examples: list[Example], processor, max_seq_len: int) -> dict[str, t
     return {"input_ids": input_ids, "attention_mask": attention, "cross_attention_mask": torch.from_numpy(cross),
             "pixel_values": images["pixel_values"], "aspect_ratio_ids": images["aspect_ratio_ids"],
             "aspect_ratio_mask": images["aspect_ratio_mask"], "loss_mask": loss_mask}
+
+
+def check_heldout(value) -> int:
+    """The ``heldout_prompts`` parameter: how many of the last teacher answers are never trained on."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a whole number >= 0, got {value!r}")
+    return value

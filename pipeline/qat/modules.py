@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline import formats
-from pipeline.formats import State
+from pipeline.formats import FormatBase, State
 from pipeline.quant import fake_quant_activations
+from pipeline.recipe import Quantised
 
 
-class _FakeQuant(nn.Module):
-    def _setup(self, fmt: str, state: State) -> None:
-        self.format = formats.get(fmt)
+class _FakeQuant(Quantised):
+    def _setup(self, fmt: FormatBase, state: State) -> None:
+        self.format = fmt
         self.state_names = sorted(state)
         for key in self.state_names:
             # Not persistent: the state lives in the fitted-state file, not in the checkpoint.
@@ -34,7 +34,7 @@ class _FakeQuant(nn.Module):
 
 
 class QuantLinear(_FakeQuant):
-    def __init__(self, linear: nn.Linear, fmt: str, state: State, act_quant: bool) -> None:
+    def __init__(self, linear: nn.Linear, fmt: FormatBase, state: State, act_quant: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -53,7 +53,7 @@ class QuantLinear(_FakeQuant):
 
 
 class QuantEmbedding(_FakeQuant):
-    def __init__(self, embedding: nn.Embedding, fmt: str, state: State) -> None:
+    def __init__(self, embedding: nn.Embedding, fmt: FormatBase, state: State) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.padding_idx = embedding.padding_idx

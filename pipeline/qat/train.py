@@ -5,39 +5,47 @@ fitted state; loss = KL(teacher || student) summed over response tokens, divided
 count of the global batch (all micro-batches, all processes); AdamW (0.9, 0.95), weight decay 0, cosine
 schedule without warm-up, lr = 2^-(b + 14) unless set. Runs under ``accelerate`` (one process by
 default); checkpoints every N steps and resumes from the last one when the fingerprint matches.
+
+Checkpoints hold no pickle: tensors (model, optimizer moments) in safetensors, everything else (step, history,
+optimizer hyper-parameters, fingerprint) in its JSON metadata. A checkpoint that cannot be read, or that was
+written for other parameters or data, is reported and training starts afresh.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline import formats
-from pipeline.io import atomic_path, write_json
+from pipeline.checkpoint import write_tensors
+from pipeline.formats import FormatBase
+from pipeline.io import atomic_dir
 from pipeline.models import dtype_of, load_model, load_processor, states_by_module
-from pipeline.qat.api import prepare, quantised_modules
+from pipeline.params import bounded, non_negative, positive
+from pipeline.qat.api import prepare
 from pipeline.qat.data import Example, batch_indices, collate
 from pipeline.qat.loss import response_kl_sum
-from pipeline.stage import console, progress, versions
+from pipeline.recipe import quantised_modules
+from pipeline.stage import console, progress
 
 
 @dataclass
 class QATParams:
-    steps: int = 200
-    batch_size: int = 16                  # sequences per optimizer step, all processes together
-    grad_accum: int = 1
-    max_seq_len: int = 192
-    lr: float | None = None               # None: 2^-(b + 14), b the average bits per parameter
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    weight_decay: float = 0.0
+    steps: int = positive(400)
+    batch_size: int = positive(16)        # sequences per optimizer step, all processes together
+    grad_accum: int = positive(1)
+    max_seq_len: int = positive(160)
+    lr: float | None = positive(None)     # None: 2^-(b + 14), b the average bits per parameter
+    betas: list[float] = bounded(default_factory=lambda: [0.9, 0.95], ge=0, le=1)
+    weight_decay: float = non_negative(0.0)
     act_quant: bool = True
-    checkpoint_every: int = 50
+    checkpoint_every: int = positive(25)
     seed: int = 0
-    threads: int | None = None
+    threads: int = non_negative(1)
 
 
 def recipe_lr(bits_per_param: float) -> float:
@@ -48,10 +56,9 @@ def cosine(lr: float, step: int, steps: int) -> float:
     return lr * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
-def average_bits(model, fmt: str) -> float:
-    f = formats.get(fmt)
+def average_bits(model, fmt: FormatBase) -> float:
     sizes = [(tuple(m.weight.shape), m.weight.numel()) for _, m in quantised_modules(model)]
-    return sum(f.bits_per_param(s) * n for s, n in sizes) / sum(n for _, n in sizes)
+    return sum(fmt.bits_per_param(s) * n for s, n in sizes) / sum(n for _, n in sizes)
 
 
 def check(p: QATParams, examples: list[Example], processes: int) -> int:
@@ -75,7 +82,7 @@ def check(p: QATParams, examples: list[Example], processes: int) -> int:
     return p.batch_size // (p.grad_accum * processes)
 
 
-def train(fmt: str, states: dict, teacher_source: str, teacher_dtype: str, examples: list[Example],
+def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str, examples: list[Example],
           p: QATParams, out_dir: str | Path, checkpoint: str | Path, live_dir: str | Path, fingerprint: str) -> dict:
     from accelerate import Accelerator
     from dvclive import Live
@@ -97,15 +104,13 @@ def train(fmt: str, states: dict, teacher_source: str, teacher_dtype: str, examp
     start, history = 0, []
     checkpoint = Path(checkpoint)
     if checkpoint.exists():
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        if saved.get("fingerprint") == fingerprint:
-            accelerator.unwrap_model(student).load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            start, history = saved["step"], saved["history"]
+        try:
+            start, history = _load_checkpoint(checkpoint, accelerator.unwrap_model(student), optimizer, fingerprint)
             if accelerator.is_main_process:
-                console.print(f"qat-train {fmt}: resuming at step {start} from {checkpoint}")
-        elif accelerator.is_main_process:
-            console.print(f"qat-train {fmt}: {checkpoint} is from other parameters or data; starting afresh")
+                console.print(f"qat-train {fmt.name}: resuming at step {start} from {checkpoint}")
+        except ValueError as e:
+            if accelerator.is_main_process:
+                console.print(f"qat-train {fmt.name}: {e}; starting afresh")
 
     live = Live(str(live_dir), resume=False, save_dvc_exp=False, dvcyaml=None) if accelerator.is_main_process else None
     if live:
@@ -113,7 +118,7 @@ def train(fmt: str, states: dict, teacher_source: str, teacher_dtype: str, examp
             _log(live, record)
     began = time.perf_counter()
     with progress() as bar:
-        task = bar.add_task(f"qat {fmt}", total=p.steps, completed=start)
+        task = bar.add_task(f"qat {fmt.name}", total=p.steps, completed=start)
         for step in range(start, p.steps):
             step_lr = cosine(lr, step, p.steps)
             for group in optimizer.param_groups:
@@ -149,7 +154,7 @@ def train(fmt: str, states: dict, teacher_source: str, teacher_dtype: str, examp
             history.append(record)
             if live:
                 _log(live, record)
-            bar.update(task, completed=step + 1, description=f"qat {fmt} kl {record['kl']:.4f}")
+            bar.update(task, completed=step + 1, description=f"qat {fmt.name} kl {record['kl']:.4f}")
             if (step + 1) % p.checkpoint_every == 0 and step + 1 < p.steps and accelerator.is_main_process:
                 _save_checkpoint(checkpoint, accelerator.unwrap_model(student), optimizer, step + 1, history, fingerprint)
             accelerator.wait_for_everyone()
@@ -160,10 +165,8 @@ def train(fmt: str, states: dict, teacher_source: str, teacher_dtype: str, examp
         _save_student(model, processor, out_dir)
         first = history[0]["kl"] if history else float("nan")
         last = sum(r["kl"] for r in history[-10:]) / max(len(history[-10:]), 1)
-        summary = {"format": fmt, "steps": p.steps, "lr": lr, "bits_per_param": bits, "kl_first": first,
-                   "kl_last10": last, "seconds_this_run": round(seconds, 1),
-                   "steps_per_second": round((p.steps - start) / seconds, 3) if seconds and p.steps > start else None,
-                   "params": asdict(p), "fingerprint": fingerprint, **versions()}
+        summary = {"lr": lr, "bits_per_param": bits, "kl_first": first, "kl_last10": last}
+        console.print(f"qat-train {fmt.name}: {p.steps - start} steps in {seconds:.0f} s")
         live.end()
         checkpoint.unlink(missing_ok=True)       # the finished student is the output now
     return summary
@@ -177,26 +180,62 @@ def _log(live, record: dict) -> None:
 
 
 def _save_checkpoint(path: Path, model, optimizer, step: int, history: list, fingerprint: str) -> None:
-    trainable = {k: v for k, v in model.state_dict().items()}
-    with atomic_path(path) as tmp:
-        torch.save({"model": trainable, "optimizer": optimizer.state_dict(), "step": step, "history": history,
-                    "fingerprint": fingerprint}, tmp)
+    """Model and optimizer tensors as safetensors; step, history and optimizer settings as JSON metadata."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = optimizer.state_dict()
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    for index, state in opt["state"].items():
+        for key, value in state.items():
+            tensors[f"optim.{ordered[index]}.{key}"] = value.detach().reshape(value.shape).contiguous()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
+    write_tensors(path, tensors, {"step": str(step), "history": json.dumps(history), "fingerprint": fingerprint,
+                                  "param_groups": json.dumps(groups), "param_order": json.dumps(ordered)})
+
+
+def _load_checkpoint(path: Path, model, optimizer, fingerprint: str) -> tuple[int, list]:
+    """Restore a checkpoint of this run; ``ValueError`` (the caller starts afresh) if it is unreadable,
+    foreign or from other parameters or data. Never unpickles anything."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("fingerprint") != fingerprint:
+                raise ValueError(f"{path} is from other parameters or data")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        step, history = int(meta["step"]), json.loads(meta["history"])
+        groups, ordered = json.loads(meta["param_groups"]), json.loads(meta["param_order"])
+    except ValueError:
+        raise
+    except Exception as e:  # truncated, not safetensors, missing metadata
+        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+    current = [n for n, _ in model.named_parameters()]
+    by_name = dict(model.named_parameters())
+    if sorted(ordered) != sorted(current) or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{path} was written for another model")
+    model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+    state = {}
+    for index, name in enumerate(ordered):
+        entry = {k.rpartition(".")[2]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.")
+                 and "." not in k[len(f"optim.{name}."):]}
+        if entry:
+            state[index] = entry
+    ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    if [id(by_name[n]) for n in ordered] != ids:
+        raise ValueError(f"{path}: parameter order differs from this run's optimizer")
+    param_groups = []
+    start = 0
+    for saved, group in zip(groups, optimizer.param_groups):
+        count = len(group["params"])
+        param_groups.append({**saved, "params": list(range(start, start + count))})
+        start += count
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    return step, history
 
 
 def _save_student(model, processor, out_dir: str | Path) -> None:
     """The fp32 master weights, as a Hugging Face model directory (the pack stage reads it)."""
-    import shutil
-    import tempfile
-
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)

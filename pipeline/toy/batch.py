@@ -14,19 +14,8 @@ import torch
 from PIL import Image
 from transformers import MllamaProcessor
 
+
 IGNORE = -100
-
-
-def chat_prompt(processor: MllamaProcessor, user_text: str) -> str:
-    """The chat-template prompt for one image and one user turn, ending with the assistant header."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user_text}]}]
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def plain_prompt(processor: MllamaProcessor, user_text: str) -> str:
-    """The plain (non-chat) template of SPEC section 5: ``<|image|>{prompt}``, after BOS as the processor
-    would place it."""
-    return f"{processor.tokenizer.bos_token}{processor.image_token}{user_text}"
 
 
 # A plain-template response continues the prompt's sentence after a space.

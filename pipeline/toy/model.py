@@ -15,19 +15,19 @@ from pipeline.toy.draw import IMAGE_SIZE
 class ModelSize:
     """Sizes of the tiny Mllama (``params.yaml``: ``toy_teacher.model``)."""
 
-    patch_size: int = 8
+    patch_size: int = 16
     vision_hidden: int = 128
     vision_layers: int = 4
     vision_global_layers: int = 2
     vision_heads: int = 4
     vision_intermediate: int = 256
     vision_intermediate_layers: list[int] = field(default_factory=lambda: [1, 3])
-    text_hidden: int = 256
+    text_hidden: int = 128
     text_layers: int = 6
     cross_attention_layers: list[int] = field(default_factory=lambda: [1, 4])
     text_heads: int = 4
     text_kv_heads: int = 2
-    text_intermediate: int = 512
+    text_intermediate: int = 256
     max_position_embeddings: int = 512
     rope_theta: float = 500000.0
 

@@ -15,6 +15,8 @@ from types import ModuleType
 
 from PIL import Image
 
+from pipeline import images
+from pipeline.eval import tasks as eval_tasks
 from pipeline.eval.prompts import option_letter, prompt_for
 from pipeline.prompts import PromptPool, load_pool
 from pipeline.toy import charts, describe, diagrams, documents, shapes
@@ -143,3 +145,25 @@ def text_corpus(n_per_task: int, seed: int = 0) -> list[str]:
     lines += list(pool.formats.values()) + list(pool.probes)
     lines += ["user", "assistant", "system", "Cutting Knowledge Date: December 2023", "Today Date: 26 Jul 2024"]
     return lines
+
+
+def load_toy(name: str, n: int = eval_tasks.DEFAULT_N, seed: int = 0, source: str | None = None) -> list[eval_tasks.EvalExample]:
+    """``n`` held-out items of a toy task as evaluation examples (generated, so no shuffle is needed: items
+    are i.i.d.)."""
+    if source is not None:
+        raise ValueError(f"{name}: toy tasks are generated, they take no source")
+    return [eval_tasks.EvalExample(name, it.id, it.image, it.question, it.prompt, it.references, it.options,
+                                   it.answer_index)
+            for it in items(name, n, seed, "test")]
+
+
+def training_image(seed: int, index: int) -> Image.Image:
+    """A toy-world image of any of the four kinds, from the training split (never a held-out scene)."""
+    rng = random.Random(f"image-pool/{seed}/{index}")
+    module = rng.choice(list(TASK_MODULES.values()))
+    return module.render(sample_scene(module, rng, "train"))
+
+
+for _task in TOY_TASKS:   # the evaluation knows the toy tasks only through its registry
+    eval_tasks.register(_task, TASK_FAMILY[_task], lambda n, seed, source, _task=_task: load_toy(_task, n, seed, source))
+images.register("toy", training_image)   # the `toy` image pool of sample-prompts

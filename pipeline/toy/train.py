@@ -15,30 +15,32 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.eval.runner import evaluate
-from pipeline.eval.tasks import EvalExample, load_toy
+from pipeline.eval.tasks import EvalExample
+from pipeline.toy.tasks import load_toy
 from pipeline.toy import tasks
-from pipeline.toy.batch import chat_prompt, encode, plain_prompt, PLAIN_SEPARATOR
+from pipeline.chat import chat_prompt, plain_prompt
+from pipeline.toy.batch import PLAIN_SEPARATOR, encode
 
 
 @dataclass
 class TrainSettings:
     """``params.yaml``: ``toy_teacher.train``."""
 
-    steps: int = 3000
+    steps: int = 8000
     batch_size: int = 32
-    lr: float = 2e-3
+    lr: float = 1e-4
     final_lr_fraction: float = 0.05  # cosine decay from lr to lr * this
     warmup_steps: int = 50
-    weight_decay: float = 0.01
+    weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     grad_clip: float = 1.0
-    caption_steps: int = 0  # first steps: detailed descriptions only, to learn what the pictures show
+    caption_steps: int = 300  # first steps: detailed descriptions only, to learn what the pictures show
     caption_prompt: str = "Describe the image in detail."
-    describe_fraction: float = 0.3  # share of steps spent on generic requests from the prompt pool
+    describe_fraction: float = 0.45  # share of steps spent on generic requests from the prompt pool
     plain_template: float = 0.25  # share of generic requests in the plain <|image|>{prompt} template
-    describe_format_p: float = 0.45  # chance of a format instruction (capitals, JSON, ...) in a generic request
+    describe_format_p: float = 0.9  # chance of a format instruction (capitals, JSON, ...) in a generic request
     task_weights: dict[str, float] = field(
-        default_factory=lambda: {"toy-vqa": 1.0, "toy-chartqa": 1.0, "toy-docvqa": 1.0, "toy-ai2d": 1.0}
+        default_factory=lambda: {"toy-vqa": 1.0, "toy-chartqa": 1.3, "toy-docvqa": 0.6, "toy-ai2d": 1.3}
     )
     eval_every: int = 250  # steps between held-out checks (0: none)
     eval_items: int = 64  # held-out items per task at each check

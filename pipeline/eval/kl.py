@@ -1,0 +1,39 @@
+"""KL(teacher || model) per response token on held-out teacher answers: how far a quantised model's next-token
+distributions are from the teacher's, below what task scores resolve."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.qat.data import collate
+from pipeline.qat.loss import response_kl_sum
+
+
+class HeldoutKL:
+    """Streams: the teacher's logits are recomputed batch by batch beside the model's, so memory holds one
+    batch of logits of each, whatever the number of held-out prompts (at 11B a cache of every teacher logit
+    would take ~134 GB)."""
+
+    def __init__(self, teacher, processor, examples, batch_size: int, max_seq_len: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"parameter eval.kl_batch_size={batch_size}: must be >= 1")
+        self.teacher = teacher
+        self.batches = [collate(examples[i:i + batch_size], processor, max_seq_len)
+                        for i in range(0, len(examples), batch_size)]
+
+    @staticmethod
+    @torch.inference_mode()
+    def logits(model, batch) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "loss_mask"}
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+        return model(**inputs).logits.float()
+
+    def __call__(self, model) -> float:
+        if not self.batches:
+            return float("nan")
+        total = tokens = 0.0
+        for batch in self.batches:
+            total += response_kl_sum(self.logits(model, batch), self.logits(self.teacher, batch),
+                                     batch["loss_mask"]).item()
+            tokens += int(batch["loss_mask"].sum())
+        return total / tokens

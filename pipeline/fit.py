@@ -1,0 +1,69 @@
+"""Fitting a format's state (S3D8 tables, code points) to every quantised weight of a model, streaming its
+checkpoint one tensor at a time (so the 11B model is fitted in the memory of its largest matrix)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.checkpoint import CheckpointReader
+from pipeline.formats import FormatBase, State
+from pipeline.models import load_config, meta_model, quantised_weight_names
+from pipeline.params import non_negative
+from pipeline.stage import progress
+from pipeline.teacher import local_dir
+
+
+@dataclass
+class FitParams:
+    seed: int = 0
+    threads: int = non_negative(1)        # 0: torch's default
+
+
+def fit_model(fmt: FormatBase, source: str, seed: int = 0) -> tuple[dict[str, State], dict]:
+    """Fit ``fmt`` to every weight the recipe quantises in the checkpoint ``source``.
+
+    Returns the states keyed by checkpoint path (``P`` of ``P.weight``) and a report: per matrix and
+    overall, the relative RMSE of the quantised weight and the bits per parameter. All-zero rows (an
+    embedding's padding row) are counted apart: their error is real but would drown every other row's."""
+    root = local_dir(source)
+    names = quantised_weight_names(meta_model(load_config(str(root))))
+    reader = CheckpointReader(root)
+    states, layers = {}, {}
+    params = bits = err = energy = 0.0
+    zero_rows_total = 0
+    with progress() as bar:
+        task = bar.add_task(f"fit {fmt.name}", total=len(names))
+        for saved in names.values():
+            weight = reader.get(saved).float()
+            try:
+                state = fmt.fit(weight, seed=seed)
+            except ValueError as e:
+                raise ValueError(f"{root}: tensor {saved!r}: {e}") from None
+            sq_err = (fmt.quantize(weight, state) - weight).pow(2)
+            zero_rows = weight.abs().amax(dim=1) == 0
+            e, zero_err = sq_err[~zero_rows].sum().item(), sq_err[zero_rows].sum().item()
+            w2 = weight.pow(2).sum().item()
+            bpp = fmt.bits_per_param(tuple(weight.shape))
+            states[saved.removesuffix(".weight")] = state
+            layers[saved] = {"shape": list(weight.shape), "rel_rmse": (e / w2) ** 0.5 if w2 else 0.0,
+                             "zero_rows": int(zero_rows.sum()), "zero_rows_sq_error": zero_err, "bits_per_param": bpp}
+            params += weight.numel()
+            bits += bpp * weight.numel()
+            err += e
+            energy += w2
+            zero_rows_total += int(zero_rows.sum())
+            bar.advance(task)
+    summary = {"matrices": len(layers), "quantised_params": int(params), "bits_per_param": bits / params,
+               "rel_rmse": (err / energy) ** 0.5, "zero_rows": zero_rows_total}
+    return states, {"summary": summary, "layers": layers}
+
+
+def check_states(fmt: FormatBase, states: dict[str, State], path) -> dict[str, State]:
+    """Fitted states read back for use: every state tensor present and finite."""
+    for module, st in states.items():
+        for key, t in st.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{path}: state {module}.weight.{key} holds NaN or Inf")
+    return states

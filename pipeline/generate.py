@@ -1,0 +1,160 @@
+"""Teacher generation: the teacher answers every sampled prompt (SPEC section 5: temperature 0.6, top-p 0.9),
+one output shard per input shard, resumable.
+
+Each finished shard is written (atomically) to a work directory outside the DVC output,
+``checkpoints/teacher-generate/``, with a fingerprint of its input, the parameters and the teacher; a rerun
+keeps every shard whose fingerprint matches, so a killed run resumes where it stopped. When all are done
+the output directory is assembled whole from them: it never holds a partial or stray file, and DVC's run
+cache can restore it like any other output. Shards are split across processes under ``accelerate``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from pipeline.diversity import diversity
+from pipeline.images import load_image
+from pipeline.io import atomic_dir
+from pipeline.models import dtype_of, load_model, load_processor
+from pipeline.params import bounded, non_negative, positive
+from pipeline.shards import file_hash, fingerprint, read_shard, shard_paths, write_shard
+from pipeline.stage import console, progress, versions
+from pipeline.teacher import TeacherParams, local_dir
+
+PROMPT_COLUMNS = ["index", "image_ref", "prompt", "template", "seed"]
+WORK_DIR = Path("checkpoints/teacher-generate")
+
+
+@dataclass
+class GenerateParams:
+    seed: int = 0
+    batch_size: int = positive(32)
+    max_new_tokens: int = positive(48)
+    temperature: float = non_negative(0.6)
+    top_p: float = bounded(0.9, gt=0, le=1)
+    threads: int = non_negative(1)
+
+
+def teacher_identity(teacher: TeacherParams) -> dict:
+    """What identifies the teacher's weights without hashing gigabytes: config hash and file sizes."""
+    root = local_dir(teacher.source)
+    files = sorted(root.glob("*.safetensors"))
+    return {"source": teacher.source, "dtype": teacher.dtype, "config": file_hash(root / "config.json"),
+            "weights": {f.name: f.stat().st_size for f in files},
+            "weights_hash": file_hash(files[0]) if files and files[0].stat().st_size < (1 << 30) else None}
+
+
+def eos_ids(model, processor) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    return {int(e) for e in eos if e is not None} | {processor.tokenizer.convert_tokens_to_ids("<|eot_id|>")}
+
+
+@torch.inference_mode()
+def generate_shard(model, processor, table: pa.Table, p: GenerateParams, shard_seed: int, on_batch=None) -> list[dict]:
+    """The teacher's answers to one shard of prompts (sampled, seeded per batch)."""
+    rows = table.to_pylist()
+    stop = eos_ids(model, processor)
+    pad = processor.tokenizer.pad_token_id
+    out = []
+    for b, start in enumerate(range(0, len(rows), p.batch_size)):
+        batch = rows[start:start + p.batch_size]
+        inputs = processor(images=[[load_image(r["image_ref"])] for r in batch], text=[r["prompt"] for r in batch],
+                           add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+        inputs = inputs.to(model.device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+        torch.manual_seed(shard_seed * 10_007 + b)
+        sampling = {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p} if p.temperature > 0 \
+            else {"do_sample": False}
+        generated = model.generate(**inputs, **sampling, max_new_tokens=p.max_new_tokens, pad_token_id=pad,
+                                   eos_token_id=sorted(stop))
+        prompt_len = inputs["input_ids"].shape[1]
+        for r, ids, mask, gen in zip(batch, inputs["input_ids"], inputs["attention_mask"], generated[:, prompt_len:]):
+            gen = gen.tolist()
+            end = next((i + 1 for i, t in enumerate(gen) if t in stop), None)
+            response = gen[:end] if end is not None else gen
+            out.append({**r, "prompt_ids": ids[mask.bool()].tolist(), "response_ids": response,
+                        "response_text": processor.tokenizer.decode(response, skip_special_tokens=True),
+                        "finished": end is not None})
+        if on_batch:
+            on_batch(len(batch))
+    return out
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    index: int
+    source: Path          # the sampled prompts
+    target: Path          # the finished answers, in the work directory
+    fingerprint: str
+    done: bool
+
+
+def plan(p: GenerateParams, teacher: TeacherParams, in_dir: str | Path, work: Path) -> list[ShardJob]:
+    """One job per input shard; ``done`` when the work directory holds its answers with the same fingerprint."""
+    ident = teacher_identity(teacher)
+    jobs = []
+    for i, path in enumerate(shard_paths(in_dir)):
+        table, _ = read_shard(path, PROMPT_COLUMNS)
+        if table.num_rows == 0:
+            raise ValueError(f"{path}: shard holds no prompts")
+        fp = fingerprint(file_hash(path), asdict(p) | {"threads": None}, ident)
+        target = work / path.name
+        done = False
+        if target.exists():
+            try:
+                done = read_shard(target)[1].get("fingerprint") == fp
+            except ValueError:
+                done = False      # truncated or foreign: regenerate it
+        jobs.append(ShardJob(i, path, target, fp, done))
+    return jobs
+
+
+def run(p: GenerateParams, teacher: TeacherParams, in_dir: str | Path, out_dir: str | Path,
+        work: Path = WORK_DIR) -> dict:
+    """Answer every prompt shard of ``in_dir`` into ``out_dir``; returns the answers' diversity statistics."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    work.mkdir(parents=True, exist_ok=True)
+    jobs = plan(p, teacher, in_dir, work)
+    pending = [j for j in jobs if not j.done]
+    mine = pending[accelerator.process_index::accelerator.num_processes]
+    if accelerator.is_main_process:
+        console.print(f"teacher-generate: {len(jobs) - len(pending)} of {len(jobs)} shards already done; "
+                      f"{len(pending)} to generate")
+    if mine:
+        device = accelerator.device
+        model = load_model(teacher.source, dtype_of(teacher.dtype)).to(device)
+        processor = load_processor(teacher.source)
+        total = sum(read_shard(j.source, PROMPT_COLUMNS)[0].num_rows for j in mine)
+        with progress() as bar:
+            task = bar.add_task("teacher answers", total=total)
+            for j in mine:
+                table, _ = read_shard(j.source, PROMPT_COLUMNS)
+                rows = generate_shard(model, processor, table, p, p.seed * 100_003 + j.index,
+                                      on_batch=lambda n: bar.advance(task, n))
+                meta = {"stage": "teacher-generate", "fingerprint": j.fingerprint, "params": asdict(p),
+                        "teacher": teacher_identity(teacher), "input": j.source.name, **versions()}
+                write_shard(j.target, pa.Table.from_pylist(rows), meta)
+    accelerator.wait_for_everyone()
+    stats = {}
+    if accelerator.is_main_process:
+        with atomic_dir(out_dir) as tmp:
+            for j in jobs:
+                shutil.copyfile(j.target, tmp / j.target.name)
+        for stale in set(work.glob("shard-*.parquet")) - {j.target for j in jobs}:
+            stale.unlink()
+        responses, finished = [], []
+        for j in jobs:
+            table, _ = read_shard(j.target, ["response_ids", "finished"])
+            responses += table.column("response_ids").to_pylist()
+            finished += table.column("finished").to_pylist()
+        stats = diversity(responses, finished)
+    accelerator.wait_for_everyone()
+    return stats

@@ -1,0 +1,54 @@
+"""Sampling the training prompts (SPEC section 5) over an image pool, into Parquet shards."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from pipeline.images import image_refs
+from pipeline.io import atomic_dir
+from pipeline.models import load_processor
+from pipeline.params import positive
+from pipeline.prompts import SamplerParams, load_pool, render, sample
+from pipeline.shards import write_shard
+from pipeline.stage import versions
+from pipeline.teacher import TeacherParams
+
+
+@dataclass
+class SampleParams:
+    seed: int = 0
+    n_prompts: int = positive(1024)
+    shard_size: int = positive(256)
+    images: str = "toy"                       # toy | folder:PATH | hf:DATASET[:SPLIT[:COLUMN]]
+    pool: str = "data/prompts/prompt_pool.yaml"
+    sampler: SamplerParams = field(default_factory=SamplerParams)
+
+
+def sample_prompts(p: SampleParams, teacher: TeacherParams, out_dir: str | Path) -> dict:
+    """Draw ``p.n_prompts`` prompts into shards of ``out_dir`` (replaced whole); returns statistics."""
+    pool = load_pool(p.pool)
+    processor = load_processor(teacher.source)
+    rows = []
+    for i, ref in enumerate(image_refs(p.images, p.n_prompts, p.seed)):
+        seed = p.seed * 1_000_003 + i
+        drawn = sample(random.Random(seed), pool, p.sampler)
+        rows.append({"index": i, "image_ref": ref, "prompt": render(drawn, processor),
+                     "template": drawn.template, "user_text": drawn.user_text, "inner": drawn.inner,
+                     "instruction": drawn.instruction, "length": drawn.length, "format": drawn.format,
+                     "adherence": drawn.adherence, "seed": seed})
+    meta = {"stage": "sample-prompts", "params": asdict(p), "teacher": teacher.source, **versions()}
+    with atomic_dir(out_dir) as tmp:            # the directory appears whole, or not at all
+        for start in range(0, len(rows), p.shard_size):
+            write_shard(tmp / f"shard-{start // p.shard_size:05d}.parquet",
+                        pa.Table.from_pylist(rows[start:start + p.shard_size]), meta)
+    return {
+        "prompts": len(rows),
+        "shards": (len(rows) + p.shard_size - 1) // p.shard_size,
+        "chat_fraction": sum(r["template"] == "chat" for r in rows) / len(rows),
+        "instruction_fraction": sum(r["instruction"] is not None for r in rows) / len(rows),
+        "distinct_user_texts": len({r["user_text"] for r in rows}),
+    }
