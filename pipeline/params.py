@@ -247,12 +247,41 @@ def merge(base: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> 
 
 
 def apply_preset(preset: str | Path, path: str | Path = "params.yaml") -> dict[str, Any]:
-    """Write ``path`` with the overrides of ``preset`` applied; returns the merged parameters."""
+    """Write ``path`` with the overrides of ``preset`` applied, keeping its comments and layout (a round trip
+    through ruamel.yaml, which DVC itself uses); the result is validated before it is written. Returns the
+    merged parameters."""
+    import io
+
+    from ruamel.yaml import YAML
+
     from pipeline.io import write_text
 
-    merged = merge(load_yaml(path), load_yaml(preset))
-    header = f"# {Path(path).name} with the preset {Path(preset).name} applied (python -m pipeline.params apply)\n"
-    write_text(path, header + yaml.safe_dump(merged, sort_keys=False, default_flow_style=None, width=110))
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.width = 110
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    with Path(path).open() as f:
+        doc = rt.load(f)
+    overrides = load_yaml(preset) or {}
+    if not isinstance(overrides, dict):
+        raise ParamsError(f"{preset}: expected a mapping of overrides")
+
+    def apply(node, changes, prefix=""):
+        for key, value in changes.items():
+            name = f"{prefix}.{key}" if prefix else key
+            if key not in node:
+                raise ParamsError(f"preset sets unknown parameter {name!r}")
+            if isinstance(value, dict) and isinstance(node[key], dict) and node[key]:
+                apply(node[key], value, name)
+            else:
+                node[key] = value
+
+    apply(doc, overrides)
+    merged = merge(load_yaml(path), overrides)
+    validate(merged, path)
+    out = io.StringIO()
+    rt.dump(doc, out)
+    write_text(path, out.getvalue())
     return merged
 
 

@@ -41,33 +41,78 @@ def test_bad_values_name_the_key(data, message):
         params.from_dict(Section, data, prefix="sec")
 
 
-def test_missing_section_and_file(tmp_path):
-    (tmp_path / "p.yaml").write_text("other: {}\n")
-    with pytest.raises(ParamsError, match="no section 'sec'"):
-        params.load(Section, "sec", tmp_path / "p.yaml")
+def test_missing_file_and_bad_top_level(tmp_path):
     with pytest.raises(ParamsError, match="not found"):
-        params.load(Section, "sec", tmp_path / "missing.yaml")
+        params.read(tmp_path / "missing.yaml")
+    for text, message in [("- a\n- b\n", "mapping of sections"), ("bogus: 1\n", "unknown top-level key.*bogus"),
+                          (": [\n", "not valid YAML")]:
+        (tmp_path / "p.yaml").write_text(text)
+        with pytest.raises(ParamsError, match=message):
+            params.read(tmp_path / "p.yaml")
 
 
 def test_exponent_floats_as_dvc_writes_them(tmp_path):
     # `dvc exp run -S sec.lr=3e-5` writes `lr: 3e-05`, a string to YAML 1.1 and a float to DVC (YAML 1.2)
     (tmp_path / "p.yaml").write_text("sec:\n  lr: 3e-05\n  inner: {rate: 1E+2}\n  name: 3e-05x\n")
-    s = params.load(Section, "sec", tmp_path / "p.yaml")
+    s = params.from_dict(Section, params.load_yaml(tmp_path / "p.yaml")["sec"], "sec")
     assert s.lr == 3e-5 and s.inner.rate == 100.0 and s.name == "3e-05x"
     (tmp_path / "p.yaml").write_text("sec:\n  lr: '3e-05'\n")  # quoted: still a string, still an error
     with pytest.raises(ParamsError, match="'sec.lr'"):
-        params.load(Section, "sec", tmp_path / "p.yaml")
+        params.from_dict(Section, params.load_yaml(tmp_path / "p.yaml")["sec"], "sec")
 
 
-def test_shipped_params_yaml_loads_every_stage_section():
-    from stages.eval import EvalParams
-    from stages.fit_centroids import FitParams
-    from stages.pack_safetensors import PackParams
-    from stages.sample_prompts import SampleParams
-    from stages.teacher_generate import GenerateParams
-    from pipeline.qat.train import QATParams
-    from pipeline.teacher import TeacherParams
+def _shipped():
+    return params.load_yaml(params.Path(__file__).resolve().parent.parent / "params.yaml")
 
-    for cls, section in [(TeacherParams, "teacher"), (FitParams, "fit"), (SampleParams, "sample"),
-                         (GenerateParams, "generate"), (QATParams, "qat"), (PackParams, "pack"), (EvalParams, "eval")]:
-        params.load(cls, section)
+
+def test_every_top_level_key_has_a_schema_and_the_shipped_file_validates():
+    doc = _shipped()
+    assert set(doc) == set(params.SECTIONS)
+    params.validate(doc)
+
+
+@pytest.mark.parametrize("section", sorted(params.SECTIONS))
+def test_dataclass_defaults_equal_params_yaml(section):
+    """params.yaml is the one place defaults live: every dataclass default equals it, key for key."""
+    import dataclasses
+
+    tp = params.schema(section)
+    if not dataclasses.is_dataclass(tp):
+        return                                   # a plain value (formats, heldout_prompts): no default to drift
+    assert dataclasses.asdict(tp()) == dataclasses.asdict(params.from_dict(tp, _shipped()[section], section))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("qat.lr", float("nan"), "not a finite number"), ("qat.lr", float("inf"), "not a finite number"),
+    ("qat.lr", -1e-4, "must be > 0"), ("generate.temperature", float("inf"), "not a finite number"),
+    ("generate.temperature", -0.1, "must be >= 0"), ("eval.n", -1, "must be > 0"), ("eval.n", 0, "must be > 0"),
+    ("eval.kl_batch_size", 0, "must be > 0"), ("fit.threads", -1, "must be >= 0"),
+    ("sample.sampler.p_chat", 1.5, "p_chat"), ("heldout_prompts", 2.7, "heldout_prompts"),
+    ("heldout_prompts", -1, "heldout_prompts"), ("formats", [], "formats"), ("formats", ["s3d9"], "s3d9"),
+    ("formats", ["s3d8", "s3d8"], "twice"), ("qat.betas", [0.9, 1.5], "must be <= 1"),
+    ("eval", 3, "expected a mapping"), ("qat.steps", 0, "must be > 0"),
+])
+def test_ranges_and_top_level_keys_are_checked_before_any_work(key, value, message):
+    doc = _shipped()
+    *path, last = key.split(".")
+    node = doc
+    for part in path:
+        node = node[part]
+    node[last] = value
+    with pytest.raises(ParamsError, match=message):
+        params.validate(doc)
+
+
+def test_apply_preset_keeps_comments_and_layout(tmp_path):
+    shipped = params.Path(__file__).resolve().parent.parent
+    target = tmp_path / "params.yaml"
+    target.write_text((shipped / "params.yaml").read_text())
+    params.apply_preset(shipped / "configs/ci.yaml", target)
+    before, after = (shipped / "params.yaml").read_text().splitlines(), target.read_text().splitlines()
+    comments = [line.partition("#")[2] for line in before if "#" in line]
+    assert comments == [line.partition("#")[2] for line in after if "#" in line]          # every comment kept
+    assert sum(a == b for a, b in zip(before, after)) > 0.8 * len(before)                # the layout too
+    assert params.read(target)["qat"].steps == params.load_yaml(shipped / "configs/ci.yaml")["qat"]["steps"]
+    (tmp_path / "bad.yaml").write_text("qat: {stepz: 1}\n")
+    with pytest.raises(ParamsError, match="qat.stepz"):
+        params.apply_preset(tmp_path / "bad.yaml", target)

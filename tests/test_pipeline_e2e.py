@@ -67,3 +67,19 @@ def test_dvc_repro_ci_preset(tmp_path):
     assert bench and (work / "reports/bench.md").exists() and (work / "reports/summary.md").exists()
     status = _run([str(BIN / "dvc"), "status"], work)
     assert "changed" not in status, status
+
+    # Share the results as a user would: push from this clone, pull into a fresh one; nothing is left to run.
+    remote = tmp_path / "remote"
+    _run([str(BIN / "dvc"), "remote", "modify", "--local", "local", "url", str(remote)], work)
+    _run(["git", "add", "-A"], work)
+    _run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "results"], work)
+    _run([str(BIN / "dvc"), "push"], work)
+    clone = tmp_path / "clone"
+    _run(["git", "clone", "-q", str(work), str(clone)], tmp_path)
+    _run([str(BIN / "dvc"), "remote", "modify", "--local", "local", "url", str(remote)], clone)
+    _run([str(BIN / "dvc"), "pull"], clone)
+    for built in REPO.glob("pipeline/_s3d8_native*.so"):
+        shutil.copy2(built, clone / "pipeline" / built.name)
+    status = _run([str(BIN / "dvc"), "status"], clone)
+    assert "changed" not in status and "deleted" not in status, status
+    assert "Running stage" not in _run([str(BIN / "dvc"), "repro"], clone)
