@@ -14,6 +14,17 @@
  *
  * Activation rows (xq) have a stride of at least S3D8_LHS_STRIDE(k) bytes and hold zeros from k to
  * the stride: kernels may read x in whole 64-byte blocks, never past the stride.
+ *
+ * Non-finite values (the same policy in every variant and in the Python reference):
+ *   - an activation row (token) with any NaN or +-Inf quantises to all zeros with x_scale = NaN and
+ *     x_sum = 0, so every product gives an all-NaN output row;
+ *   - a weight channel scale (bf16) that is NaN or +-Inf makes that output column NaN (the epilogue
+ *     uses NaN in place of any non-finite channel scale).
+ *   The NaN written is the canonical quiet NaN 0x7FC00000, so results agree bit for bit.
+ *
+ * Integer accumulators are int32: a product over k inputs is exact while 127 * 127 * k < 2^31, i.e.
+ * k <= S3D8_K_MAX (activations are in [-127, 127]; INT8 weights of -128 lower it to
+ * S3D8_K_MAX_INT8_FULL). The drivers refuse a larger k (return -2).
  */
 #ifndef S3D8_H
 #define S3D8_H
@@ -28,6 +39,8 @@ extern "C" {
 #define S3D8_PAD16(k) ((((size_t)(k)) + 15) / 16 * 16)
 #define S3D8_LHS_STRIDE(k) ((((size_t)(k)) + 63) / 64 * 64)
 #define S3D8_GROUPS(n) ((((size_t)(n)) + 2) / 3)
+#define S3D8_K_MAX 133144u           /* largest k with 127 * 127 * k < 2^31 */
+#define S3D8_K_MAX_INT8_FULL 132104u /* largest k with 128 * 127 * k < 2^31 (a weight of -128) */
 
 /* ---- Scalar helpers (s3d8_ref.c) -------------------------------------------------------------- */
 
@@ -60,7 +73,7 @@ typedef void s3d8_matmul_f32_qsi8dx_s3d8cx_fn(size_t m, size_t n, size_t k, cons
                                               float *y, size_t y_stride);
 
 /* INT8-weight product, same activations and epilogue: w is int8 [n, k] (row stride w_stride, only
- * the first k bytes of a row are read). */
+ * the first k bytes of a row are read); any int8 weight, -128 included, is exact (see S3D8_K_MAX). */
 typedef void s3d8_matmul_f32_qsi8dx_qsi8cx_fn(size_t m, size_t n, size_t k, const int8_t *xq,
                                               size_t xq_stride, const float *x_scale,
                                               const int32_t *x_sum, const int8_t *w,
@@ -112,8 +125,9 @@ int s3d8_variant_default(void);
 
 /* The drivers split output channels (whole groups of 3 for S3D8) into contiguous chunks that
  * `threads` threads take in turn; every channel is computed by one thread with the same
- * arithmetic, so results do not depend on the thread count. They return 0, or -1 for an invalid
- * variant. */
+ * arithmetic, so results do not depend on the thread count. They return 0, -1 for an invalid
+ * variant, -2 for a product with k > S3D8_K_MAX (int32 accumulators would wrap), or -3 for an
+ * S3D8 centroid table with a negative value (decode and S3D8 products); nothing is written then. */
 int s3d8_quant(int v, int threads, size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
                size_t xq_stride, float *x_scale, int32_t *x_sum);
 int s3d8_decode(int v, int threads, size_t n, size_t k, const uint8_t *packed,

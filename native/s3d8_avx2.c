@@ -1,6 +1,8 @@
 /* x86 AVX2 variant (Haswell and later, no AVX-512): the 64-entry lookups are four 16-entry
- * `vpshufb` lookups blended on index bits 4 and 5; the dot products use `vpmaddubsw` on |x| and
- * sign(w, x) (|x| <= 127 keeps the int16 pair sums exact) and `vpmaddwd` to int32. */
+ * `vpshufb` lookups blended on index bits 4 and 5; the dot products use `vpmaddubsw` on |w| and
+ * sign(x, w) and `vpmaddwd` to int32. |w| as an unsigned byte is exact for every int8 weight
+ * (-128 -> 128) and x is in [-127, 127], so sign(x, w) never overflows and the int16 pair sums stay
+ * within 2 * 128 * 127 < 2^15. (The other way round, sign(w, x) overflows for w = -128.) */
 #include <immintrin.h>
 #include <string.h>
 
@@ -36,9 +38,9 @@ static inline void decode32(__m256i b, const lut64 t[3], __m256i w[3]) {
     w[2] = lookup64(&t[2], i2);
 }
 
-/* acc += dot(x, w) in 8 int32 lanes, exact for int8 x, w in [-127, 127]. */
+/* acc += dot(x, w) in 8 int32 lanes, exact for x in [-127, 127] and any int8 w. */
 static inline __m256i dot32(__m256i acc, __m256i x, __m256i w) {
-    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x));
+    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
@@ -50,28 +52,33 @@ static inline int32_t hsum(__m256i v) {
 }
 
 static inline float epilogue(int32_t acc, float x_scale, uint16_t w_scale) {
-    return ((float)acc * x_scale) * s3d8_f32_from_bf16(w_scale);
+    return ((float)acc * x_scale) * s3d8_w_scale_f32(w_scale);
 }
 
 static void quant_avx2(size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
                        size_t xq_stride, float *x_scale, int32_t *x_sum) {
     size_t stride = S3D8_LHS_STRIDE(k);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
     for (size_t i = 0; i < m; i++) {
         const float *xr = x + i * x_stride;
         int8_t *qr = xq + i * xq_stride;
         size_t k8 = k / 8 * 8;
-        __m256 vmax = _mm256_setzero_ps();
+        /* absmax as an unsigned max of |x| bits: NaN and Inf show up as >= S3D8_ABS_NONFINITE */
+        __m256i vmax = _mm256_setzero_si256();
         for (size_t j = 0; j < k8; j += 8)
-            vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xr + j), absmask));
-        float lanes[8], absmax = 0.0f;
-        _mm256_storeu_ps(lanes, vmax);
+            vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xr + j)), absmask));
+        uint32_t lanes[8], absmax = 0;
+        _mm256_storeu_si256((__m256i *)lanes, vmax);
         for (int l = 0; l < 8; l++) absmax = lanes[l] > absmax ? lanes[l] : absmax;
         for (size_t j = k8; j < k; j++) {
-            float a = xr[j] < 0 ? -xr[j] : xr[j];
+            uint32_t a = s3d8_abs_bits(xr[j]);
             absmax = a > absmax ? a : absmax;
         }
-        float scale = s3d8_scale_from_absmax(absmax);
+        if (absmax >= S3D8_ABS_NONFINITE) {
+            s3d8_quant_row_nonfinite(qr, stride, x_scale + i, x_sum + i);
+            continue;
+        }
+        float scale = s3d8_scale_from_absmax(s3d8_f32_from_bits(absmax));
         if (scale == 0.0f) {
             s3d8_quant_row_ref(k, xr, qr, stride, x_scale + i, x_sum + i);
             continue;
@@ -225,12 +232,16 @@ static void matmul_bf16_avx2(size_t m, size_t n, size_t k, const float *x, size_
 static void dequant_avx2(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                          const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
     size_t n8 = n / 8 * 8;
+    const __m256i expo = _mm256_set1_epi32(0x7F800000);
+    const __m256 nan = _mm256_set1_ps(s3d8_nan());
     for (size_t i = 0; i < m; i++) {
         __m256 xs = _mm256_set1_ps(x_scale[i]);
         const int32_t *a = acc + i * acc_stride;
         float *yr = y + i * y_stride;
         for (size_t c = 0; c < n8; c += 8) {
-            __m256 ws = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w_scale + c))), 16));
+            __m256i wb = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w_scale + c))), 16);
+            __m256i bad = _mm256_cmpeq_epi32(_mm256_and_si256(wb, expo), expo); /* Inf or NaN scale */
+            __m256 ws = _mm256_blendv_ps(_mm256_castsi256_ps(wb), nan, _mm256_castsi256_ps(bad));
             __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + c)));
             _mm256_storeu_ps(yr + c, _mm256_mul_ps(_mm256_mul_ps(v, xs), ws));
         }

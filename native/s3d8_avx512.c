@@ -43,9 +43,19 @@ static inline void decode64(__m512i b, __m512i l0, __m512i l1, __m512i l2, __m51
     w[2] = _mm512_permutexvar_epi8(i2, l2);
 }
 
+/* Sum of the 16 lanes mod 2^32. (GCC's _mm512_reduce_add_epi32 adds as signed int: undefined
+ * behaviour, flagged by UBSan, when the biased sums pass 2^31, which they do for large k.) */
+static inline uint32_t reduce_add_u32(__m512i v) {
+    __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    __m128i b = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    b = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0x4E));
+    b = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(b);
+}
+
 static inline float epilogue(__m512i acc, int32_t x_sum, float x_scale, uint16_t w_scale) {
-    uint32_t s = (uint32_t)_mm512_reduce_add_epi32(acc) - 128u * (uint32_t)x_sum;
-    return ((float)(int32_t)s * x_scale) * s3d8_f32_from_bf16(w_scale);
+    uint32_t s = reduce_add_u32(acc) - 128u * (uint32_t)x_sum;
+    return ((float)(int32_t)s * x_scale) * s3d8_w_scale_f32(w_scale);
 }
 
 static inline __mmask64 tail_mask(size_t len) {
@@ -59,12 +69,19 @@ static void quant_avx512(size_t m, size_t k, const float *x, size_t x_stride, in
     for (size_t i = 0; i < m; i++) {
         const float *xr = x + i * x_stride;
         int8_t *qr = xq + i * xq_stride;
-        __m512 vmax = _mm512_setzero_ps();
+        /* absmax as an unsigned max of |x| bits: NaN and Inf show up as >= S3D8_ABS_NONFINITE */
+        const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+        __m512i vmax = _mm512_setzero_si512();
         for (size_t j = 0; j < k; j += 16) {
             __mmask16 mk = (__mmask16)tail_mask(k - j < 16 ? k - j : 16);
-            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, xr + j)));
+            vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_maskz_loadu_epi32(mk, xr + j), absmask));
         }
-        float scale = s3d8_scale_from_absmax(_mm512_reduce_max_ps(vmax));
+        uint32_t absmax = (uint32_t)_mm512_reduce_max_epu32(vmax);
+        if (absmax >= S3D8_ABS_NONFINITE) {
+            s3d8_quant_row_nonfinite(qr, stride, x_scale + i, x_sum + i);
+            continue;
+        }
+        float scale = s3d8_scale_from_absmax(s3d8_f32_from_bits(absmax));
         if (scale == 0.0f) {
             s3d8_quant_row_ref(k, xr, qr, stride, x_scale + i, x_sum + i);
             continue;
@@ -81,7 +98,7 @@ static void quant_avx512(size_t m, size_t k, const float *x, size_t x_stride, in
         }
         memset(qr + k, 0, stride - k);
         x_scale[i] = scale;
-        x_sum[i] = _mm512_reduce_add_epi32(vsum);
+        x_sum[i] = (int32_t)reduce_add_u32(vsum);
     }
 }
 
@@ -262,11 +279,15 @@ static void matmul_bf16_avx512(size_t m, size_t n, size_t k, const float *x, siz
 static void dequant_avx512(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                            const float *x_scale, const uint16_t *w_scale, float *y,
                            size_t y_stride) {
+    const __m512i expo = _mm512_set1_epi32(0x7F800000);
+    const __m512 nan = _mm512_set1_ps(s3d8_nan());
     for (size_t i = 0; i < m; i++) {
         __m512 xs = _mm512_set1_ps(x_scale[i]);
         for (size_t c = 0; c < n; c += 16) {
             __mmask16 mk = (__mmask16)tail_mask(n - c < 16 ? n - c : 16);
-            __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, w_scale + c)), 16));
+            __m512i wb = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, w_scale + c)), 16);
+            __mmask16 bad = _mm512_cmpeq_epi32_mask(_mm512_and_si512(wb, expo), expo); /* Inf or NaN scale */
+            __m512 ws = _mm512_mask_mov_ps(_mm512_castsi512_ps(wb), bad, nan);
             __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mk, acc + i * acc_stride + c));
             _mm512_mask_storeu_ps(y + i * y_stride + c, mk, _mm512_mul_ps(_mm512_mul_ps(a, xs), ws));
         }

@@ -143,6 +143,13 @@ static const s3d8_variant *variant_or_null(int v) {
     return s3d8_variant_supported(v) ? VARIANTS[v] : NULL;
 }
 
+/* S3D8 centroids are in [0, 127]: a negative one would make -T overflow int8 in the lookup tables. */
+static int table_ok(const int8_t table[96]) {
+    int8_t low = 0;
+    for (int i = 0; i < 96; i++) low = table[i] < low ? table[i] : low;
+    return low >= 0;
+}
+
 static void quant_rows(const void *p, int part, size_t b, size_t e) {
     const job *j = p;
     j->v->quant(e - b, j->k, (const float *)j->x + b * j->x_stride, j->x_stride,
@@ -170,6 +177,7 @@ int s3d8_decode(int v, int threads, size_t n, size_t k, const uint8_t *packed,
                 const int8_t table[96], int8_t *w, size_t w_stride) {
     job j = {.v = variant_or_null(v), .n = n, .k = k, .w = packed, .out = w, .out_stride = w_stride};
     if (!j.v) return -1;
+    if (!table_ok(table)) return -3;
     s3d8_luts_from_table(table, j.luts);
     parallel_for(threads, S3D8_GROUPS(n), decode_groups, &j);
     return 0;
@@ -191,6 +199,8 @@ int s3d8_matmul_s3d8(int v, int threads, size_t m, size_t n, size_t k, const int
              .x_scale = x_scale, .x_sum = x_sum, .w = packed, .w_scale = w_scale, .out = y,
              .out_stride = y_stride};
     if (!j.v) return -1;
+    if (k > S3D8_K_MAX) return -2;
+    if (!table_ok(table)) return -3;
     s3d8_luts_from_table(table, j.luts);
     parallel_for(threads, S3D8_GROUPS(n), matmul_s3d8_groups, &j);
     return 0;
@@ -210,6 +220,7 @@ int s3d8_matmul_qsi8(int v, int threads, size_t m, size_t n, size_t k, const int
              .x_scale = x_scale, .x_sum = x_sum, .w = w, .w_stride = w_stride,
              .w_scale = w_scale, .out = y, .out_stride = y_stride};
     if (!j.v) return -1;
+    if (k > S3D8_K_MAX) return -2;
     parallel_for(threads, n, matmul_qsi8_rows, &j);
     return 0;
 }
@@ -253,6 +264,8 @@ int s3d8_matmul_s3d8_tiled(int v, int threads, size_t m, size_t n, size_t k, con
              .x_scale = x_scale, .x_sum = x_sum, .w = packed, .w_scale = w_scale, .out = y,
              .out_stride = y_stride, .work = work, .tile_groups = tile_groups ? tile_groups : 1};
     if (!j.v) return -1;
+    if (k > S3D8_K_MAX) return -2;
+    if (!table_ok(table)) return -3;
     s3d8_luts_from_table(table, j.luts);
     parallel_for(threads, S3D8_GROUPS(n), matmul_tiled_groups, &j);
     return 0;
@@ -271,6 +284,8 @@ int s3d8_linear_s3d8(int v, int threads, size_t m, size_t n, size_t k, const flo
     int8_t *xq;
     float *xs;
     int32_t *xsum;
+    if (k > S3D8_K_MAX) return -2;
+    if (!table_ok(table)) return -3;
     split_work(work, m, k, &xq, &xs, &xsum);
     if (s3d8_quant(v, threads, m, k, x, x_stride, xq, S3D8_LHS_STRIDE(k), xs, xsum)) return -1;
     return s3d8_matmul_s3d8(v, threads, m, n, k, xq, S3D8_LHS_STRIDE(k), xs, xsum, packed, table,
@@ -283,6 +298,7 @@ int s3d8_linear_qsi8(int v, int threads, size_t m, size_t n, size_t k, const flo
     int8_t *xq;
     float *xs;
     int32_t *xsum;
+    if (k > S3D8_K_MAX) return -2;
     split_work(work, m, k, &xq, &xs, &xsum);
     if (s3d8_quant(v, threads, m, k, x, x_stride, xq, S3D8_LHS_STRIDE(k), xs, xsum)) return -1;
     return s3d8_matmul_qsi8(v, threads, m, n, k, xq, S3D8_LHS_STRIDE(k), xs, xsum, w, w_stride,
@@ -338,7 +354,10 @@ __attribute__((target("avx512f"))) static uint64_t read_probe_avx512(const uint8
         acc0 = _mm512_add_epi64(acc0, _mm512_loadu_si512(buf + i));
         acc1 = _mm512_add_epi64(acc1, _mm512_loadu_si512(buf + i + 64));
     }
-    return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(acc0, acc1));
+    uint64_t lanes[8], sum = 0; /* unsigned: _mm512_reduce_add_epi64 adds as signed (UB on overflow) */
+    _mm512_storeu_si512(lanes, _mm512_add_epi64(acc0, acc1));
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum;
 }
 #endif
 

@@ -18,8 +18,11 @@ static void ENCODE_FN(size_t d_out, size_t d_in, const float *w, size_t w_stride
         const float *row[3];
         for (int j = 0; j < 3; j++) {
             size_t r = 3 * g + (size_t)j;
-            row[j] = r < d_out ? w + r * w_stride : NULL; /* padded rows are 0 with scale 1 */
             s[j] = r < d_out ? s3d8_f32_from_bf16(scale[r]) : 1.0f;
+            /* padded rows are 0 with scale 1; so is a row whose scale underflowed to 0 (absmax below
+             * about 5.8e-39): it decodes to 0 whatever its bytes, and its normalised values (w / 0,
+             * infinite or NaN) must not steer the centroid its two neighbours share */
+            row[j] = r < d_out && s[j] != 0.0f ? w + r * w_stride : NULL;
         }
         for (size_t c0 = 0; c0 < k16; c0 += CHUNK) {
             size_t len = k16 - c0 < CHUNK ? k16 - c0 : CHUNK;

@@ -9,7 +9,7 @@
 #include "s3d8_internal.h"
 
 static inline float epilogue(int32_t acc, float x_scale, uint16_t w_scale) {
-    return ((float)acc * x_scale) * s3d8_f32_from_bf16(w_scale);
+    return ((float)acc * x_scale) * s3d8_w_scale_f32(w_scale);
 }
 
 static void quant_neon(size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
@@ -18,14 +18,21 @@ static void quant_neon(size_t m, size_t k, const float *x, size_t x_stride, int8
     for (size_t i = 0; i < m; i++) {
         const float *xr = x + i * x_stride;
         int8_t *qr = xq + i * xq_stride;
-        float32x4_t vmax = vdupq_n_f32(0.0f);
-        for (size_t j = 0; j < k4; j += 4) vmax = vmaxq_f32(vmax, vabsq_f32(vld1q_f32(xr + j)));
-        float absmax = vmaxvq_f32(vmax);
+        /* absmax as an unsigned max of |x| bits: NaN and Inf show up as >= S3D8_ABS_NONFINITE */
+        const uint32x4_t absmask = vdupq_n_u32(0x7fffffffu);
+        uint32x4_t vmax = vdupq_n_u32(0);
+        for (size_t j = 0; j < k4; j += 4)
+            vmax = vmaxq_u32(vmax, vandq_u32(vreinterpretq_u32_f32(vld1q_f32(xr + j)), absmask));
+        uint32_t absmax = vmaxvq_u32(vmax);
         for (size_t j = k4; j < k; j++) {
-            float a = xr[j] < 0 ? -xr[j] : xr[j];
+            uint32_t a = s3d8_abs_bits(xr[j]);
             absmax = a > absmax ? a : absmax;
         }
-        float scale = s3d8_scale_from_absmax(absmax);
+        if (absmax >= S3D8_ABS_NONFINITE) {
+            s3d8_quant_row_nonfinite(qr, stride, x_scale + i, x_sum + i);
+            continue;
+        }
+        float scale = s3d8_scale_from_absmax(s3d8_f32_from_bits(absmax));
         if (scale == 0.0f) {
             s3d8_quant_row_ref(k, xr, qr, stride, x_scale + i, x_sum + i);
             continue;
@@ -223,12 +230,16 @@ static void matmul_bf16_neon(size_t m, size_t n, size_t k, const float *x, size_
 static void dequant_neon(size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                          const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
     size_t n4 = n / 4 * 4;
+    const uint32x4_t expo = vdupq_n_u32(0x7F800000u);
+    const float32x4_t nan = vdupq_n_f32(s3d8_nan());
     for (size_t i = 0; i < m; i++) {
         float32x4_t xs = vdupq_n_f32(x_scale[i]);
         const int32_t *a = acc + i * acc_stride;
         float *yr = y + i * y_stride;
         for (size_t c = 0; c < n4; c += 4) {
-            float32x4_t ws = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(w_scale + c), 16));
+            uint32x4_t wb = vshll_n_u16(vld1_u16(w_scale + c), 16);
+            uint32x4_t bad = vceqq_u32(vandq_u32(wb, expo), expo); /* Inf or NaN scale */
+            float32x4_t ws = vbslq_f32(bad, nan, vreinterpretq_f32_u32(wb));
             vst1q_f32(yr + c, vmulq_f32(vmulq_f32(vcvtq_f32_s32(vld1q_s32(a + c)), xs), ws));
         }
         for (size_t c = n4; c < n; c++) yr[c] = epilogue(a[c], x_scale[i], w_scale[c]);

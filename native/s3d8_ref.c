@@ -1,7 +1,9 @@
 /* Scalar reference: the definition of S3D8 numerics (SPEC sections 1 and 2). Plain C11, no SIMD.
  * Compile with -ffp-contract=off: the float expressions below are the contract, term by term.
  * Integer dot products use uint32 wrap-around, the same as the SIMD accumulators (exact while
- * k * 127 * 127 < 2^31, i.e. k < 133,000). */
+ * 127 * 127 * k < 2^31, i.e. k <= S3D8_K_MAX = 133,144; the drivers refuse larger k).
+ * Non-finite input follows the policy in s3d8.h: a row with NaN/Inf -> zeros and x_scale = NaN,
+ * a non-finite channel scale -> NaN (s3d8_w_scale_f32). */
 #include <math.h>
 #include <string.h>
 
@@ -55,22 +57,32 @@ int8_t s3d8_quant_value(float x, float scale) {
     return (int8_t)q;
 }
 
+void s3d8_quant_row_nonfinite(int8_t *xq, size_t xq_len, float *x_scale, int32_t *x_sum) {
+    memset(xq, 0, xq_len);
+    *x_scale = s3d8_nan();
+    *x_sum = 0;
+}
+
 void s3d8_quant_row_ref(size_t k, const float *x, int8_t *xq, size_t xq_len, float *x_scale,
                         int32_t *x_sum) {
-    float absmax = 0.0f;
+    uint32_t absmax_bits = 0;
     for (size_t j = 0; j < k; j++) {
-        float a = fabsf(x[j]);
-        if (a > absmax) absmax = a;
+        uint32_t a = s3d8_abs_bits(x[j]);
+        if (a > absmax_bits) absmax_bits = a;
     }
-    float scale = s3d8_scale_from_absmax(absmax);
-    int32_t sum = 0;
+    if (absmax_bits >= S3D8_ABS_NONFINITE) {
+        s3d8_quant_row_nonfinite(xq, xq_len, x_scale, x_sum);
+        return;
+    }
+    float scale = s3d8_scale_from_absmax(s3d8_f32_from_bits(absmax_bits));
+    uint32_t sum = 0; /* wraps like the SIMD sums (only for k > 2^31 / 127) */
     for (size_t j = 0; j < k; j++) {
         xq[j] = s3d8_quant_value(x[j], scale);
-        sum += xq[j];
+        sum += (uint32_t)(int32_t)xq[j];
     }
     memset(xq + k, 0, xq_len - k);
     *x_scale = scale;
-    *x_sum = sum;
+    *x_sum = (int32_t)sum;
 }
 
 static void quant_ref(size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
@@ -101,7 +113,7 @@ static void decode_ref(size_t n, size_t k, const uint8_t *packed, const int8_t l
 }
 
 static inline float epilogue(uint32_t acc, float x_scale, uint16_t w_scale) {
-    return ((float)(int32_t)acc * x_scale) * s3d8_f32_from_bf16(w_scale);
+    return ((float)(int32_t)acc * x_scale) * s3d8_w_scale_f32(w_scale);
 }
 
 static void matmul_s3d8_ref(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
@@ -164,7 +176,7 @@ static void dequant_ref(size_t m, size_t n, const int32_t *acc, size_t acc_strid
                               size_t y_stride) {
     for (size_t i = 0; i < m; i++)
         for (size_t c = 0; c < n; c++)
-            y[i * y_stride + c] = ((float)acc[i * acc_stride + c] * x_scale[i]) * s3d8_f32_from_bf16(w_scale[c]);
+            y[i * y_stride + c] = ((float)acc[i * acc_stride + c] * x_scale[i]) * s3d8_w_scale_f32(w_scale[c]);
 }
 
 const s3d8_variant s3d8_variant_ref = {

@@ -4,6 +4,12 @@
  * AddressSanitizer sees any out-of-bounds access. Used by the tests natively, under ASan, and
  * cross-compiled for aarch64 under qemu. Prints one line per variant; exit status 0 when all pass.
  *
+ * Edge inputs (test_nonfinite, test_k_bound): activation rows with NaN / +-Inf (in the vector body
+ * and in the scalar tail), non-finite channel scales (NaN, +-Inf, signalling and negative NaN), the
+ * policy of s3d8.h checked directly (NaN rows and columns, canonical NaN bits) and every variant
+ * equal to the reference bit for bit; INT8 weights of -128; k = S3D8_K_MAX with the largest possible
+ * dot product (exact), and k = S3D8_K_MAX + 1 refused by every driver; a negative centroid refused.
+ *
  *   s3d8_selftest [--quick]
  */
 #include <math.h>
@@ -142,6 +148,192 @@ static void test_encode(int v) {
     }
 }
 
+static uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Non-finite activations and channel scales: the policy of s3d8.h, the same in every variant. */
+static void test_nonfinite(int v, size_t m, size_t n, size_t k) {
+    const char *name = s3d8_variant_get(v)->name;
+    int ref = s3d8_variant_find("scalar");
+    size_t ls = S3D8_LHS_STRIDE(k), k16 = S3D8_PAD16(k), groups = S3D8_GROUPS(n);
+    float *x = xmalloc(m * k * sizeof(float));
+    int8_t *xq_ref = xmalloc(m * ls), *xq = xmalloc(m * ls), *w8 = xmalloc(n * k);
+    float *xs_ref = xmalloc(m * sizeof(float)), *xs = xmalloc(m * sizeof(float));
+    int32_t *xsum_ref = xmalloc(m * sizeof(int32_t)), *xsum = xmalloc(m * sizeof(int32_t));
+    uint8_t *packed = xmalloc(groups * k16);
+    uint16_t *w_scale = xmalloc(n * sizeof(uint16_t));
+    float *y_ref = xmalloc(m * n * sizeof(float)), *y = xmalloc(m * n * sizeof(float));
+    int32_t *acc = xmalloc(m * n * sizeof(int32_t));
+    int8_t table[96], *work = xmalloc(3 * 3 * 2 * ls), *lin = xmalloc(S3D8_LINEAR_WORK(m, k));
+    const uint16_t bad_scales[] = {0x7FC0, 0x7F80, 0xFF80, 0x7F81, 0xFFC0}; /* NaN, +Inf, -Inf, sNaN, -NaN */
+    int *row_bad = xmalloc(m * sizeof(int)), *col_bad = xmalloc(n * sizeof(int));
+
+    for (size_t i = 0; i < m; i++) {
+        for (size_t j = 0; j < k; j++) x[i * k + j] = next_normal() * 5.0f;
+        size_t at = (i * 7) % k;                  /* body or tail, by row */
+        row_bad[i] = 1;
+        switch (i % 6) {
+        case 0: x[i * k + at] = NAN; break;
+        case 1: x[i * k + at] = INFINITY; break;
+        case 2: x[i * k + k - 1] = -INFINITY; break;   /* the last element: a scalar tail */
+        case 3: row_bad[i] = 0; break;
+        case 4: x[i * k] = NAN; x[i * k + k - 1] = INFINITY; break;
+        default: x[i * k] = 1e30f; x[i * k + k - 1 - at / 2] = -NAN; break; /* NaN after a huge value */
+        }
+    }
+    for (int i = 0; i < 96; i++) table[i] = (int8_t)(next_u32() % 128);
+    for (size_t i = 0; i < groups * k16; i++) packed[i] = (uint8_t)next_u32();
+    for (size_t i = 0; i < n * k; i++) w8[i] = (int8_t)(next_u32() & 0xFF); /* -128 included */
+    for (size_t c = 0; c < n; c++) {
+        col_bad[c] = c % 3 == 1;
+        w_scale[c] = col_bad[c] ? bad_scales[(c / 3) % 5] : s3d8_bf16_from_f32(0.01f + (float)c * 1e-3f);
+    }
+
+    s3d8_quant(ref, 1, m, k, x, k, xq_ref, ls, xs_ref, xsum_ref);
+    int policy = 1;
+    for (size_t i = 0; i < m; i++) {
+        if (!row_bad[i]) { policy &= xs_ref[i] == xs_ref[i]; continue; }
+        policy &= bits_of(xs_ref[i]) == 0x7FC00000u && xsum_ref[i] == 0;
+        for (size_t j = 0; j < ls; j++) policy &= xq_ref[i * ls + j] == 0;
+    }
+    check(policy, name, "nonfinite quant policy (reference)", m, n, k, 1);
+
+    for (int threads = 1; threads <= 3; threads += 2) {
+        memset(xq, 0x55, m * ls);
+        s3d8_quant(v, threads, m, k, x, k, xq, ls, xs, xsum);
+        check(!memcmp(xq, xq_ref, m * ls) && !memcmp(xs, xs_ref, m * sizeof(float)) &&
+              !memcmp(xsum, xsum_ref, m * sizeof(int32_t)), name, "nonfinite quant", m, n, k, threads);
+
+        s3d8_matmul_s3d8(ref, 1, m, n, k, xq_ref, ls, xs_ref, xsum_ref, packed, table, w_scale, y_ref, n);
+        int ok = 1;
+        for (size_t i = 0; i < m; i++)
+            for (size_t c = 0; c < n; c++) {
+                float r = y_ref[i * n + c];
+                ok &= (row_bad[i] || col_bad[c]) ? bits_of(r) == 0x7FC00000u : r == r;
+            }
+        check(ok, name, "nonfinite matmul policy (reference)", m, n, k, threads);
+
+        memset(y, 0, m * n * sizeof(float));
+        s3d8_matmul_s3d8(v, threads, m, n, k, xq_ref, ls, xs_ref, xsum_ref, packed, table, w_scale, y, n);
+        check(!memcmp(y, y_ref, m * n * sizeof(float)), name, "nonfinite matmul_s3d8", m, n, k, threads);
+        memset(y, 0, m * n * sizeof(float));
+        s3d8_matmul_s3d8_tiled(v, threads, m, n, k, xq_ref, ls, xs_ref, xsum_ref, packed, table, w_scale, y, n, work, 2);
+        check(!memcmp(y, y_ref, m * n * sizeof(float)), name, "nonfinite matmul_s3d8_tiled", m, n, k, threads);
+        memset(y, 0, m * n * sizeof(float));
+        s3d8_linear_s3d8(v, threads, m, n, k, x, k, packed, table, w_scale, y, n, lin);
+        check(!memcmp(y, y_ref, m * n * sizeof(float)), name, "nonfinite linear_s3d8", m, n, k, threads);
+
+        s3d8_matmul_qsi8(ref, 1, m, n, k, xq_ref, ls, xs_ref, xsum_ref, w8, k, w_scale, y_ref, n);
+        memset(y, 0, m * n * sizeof(float));
+        s3d8_matmul_qsi8(v, threads, m, n, k, xq_ref, ls, xs_ref, xsum_ref, w8, k, w_scale, y, n);
+        check(!memcmp(y, y_ref, m * n * sizeof(float)), name, "nonfinite matmul_qsi8 (w -128)", m, n, k, threads);
+        memset(y, 0, m * n * sizeof(float));
+        s3d8_linear_qsi8(v, threads, m, n, k, x, k, w8, k, w_scale, y, n, lin);
+        check(!memcmp(y, y_ref, m * n * sizeof(float)), name, "nonfinite linear_qsi8", m, n, k, threads);
+        /* the INT8 product with weights of -128 is exact: the reference against int64 arithmetic */
+        ok = 1;
+        for (size_t i = 0; i < m; i++)
+            for (size_t c = 0; c < n && !row_bad[i]; c++) {
+                int64_t dot = 0;
+                for (size_t j = 0; j < k; j++) dot += (int64_t)xq_ref[i * ls + j] * w8[c * k + j];
+                float e = ((float)(int32_t)dot * xs_ref[i]) * s3d8_f32_from_bf16(w_scale[c]);
+                ok &= col_bad[c] ? bits_of(y_ref[i * n + c]) == 0x7FC00000u : bits_of(e) == bits_of(y_ref[i * n + c]);
+            }
+        check(ok, name, "matmul_qsi8 reference exact for w = -128", m, n, k, threads);
+
+        for (size_t i = 0; i < m * n; i++) acc[i] = (int32_t)(next_u32() >> 1) - (1 << 30);
+        s3d8_dequant(ref, 1, m, n, acc, n, xs_ref, w_scale, y_ref, n);
+        memset(y, 0, m * n * sizeof(float));
+        s3d8_dequant(v, threads, m, n, acc, n, xs_ref, w_scale, y, n);
+        check(!memcmp(y, y_ref, m * n * sizeof(float)), name, "nonfinite dequant", m, n, k, threads);
+    }
+    free(x); free(xq_ref); free(xq); free(w8); free(xs_ref); free(xs); free(xsum_ref); free(xsum);
+    free(packed); free(w_scale); free(y_ref); free(y); free(acc); free(work); free(lin);
+    free(row_bad); free(col_bad);
+}
+
+/* k at the int32 bound: the largest possible dot products are exact in every variant and path;
+ * one more input is refused (-2) by every product driver. */
+static void test_k_bound(int v) {
+    const char *name = s3d8_variant_get(v)->name;
+    int ref = s3d8_variant_find("scalar");
+    const size_t m = 2, n = 4;
+    for (int variant_case = 0; variant_case < 2; variant_case++) {
+        /* case 0: S3D8 / INT8 weights +-127 at S3D8_K_MAX; case 1: INT8 weights -128 at S3D8_K_MAX_INT8_FULL */
+        size_t k = variant_case ? S3D8_K_MAX_INT8_FULL : S3D8_K_MAX;
+        size_t ls = S3D8_LHS_STRIDE(k + 1), k16 = S3D8_PAD16(k + 1), groups = S3D8_GROUPS(n);
+        float *x = xmalloc(m * (k + 1) * sizeof(float));
+        int8_t *xq = xmalloc(m * ls), *w8 = xmalloc(n * (k + 1)), *work = xmalloc(3 * 3 * 1 * ls);
+        float *xs = xmalloc(m * sizeof(float)), *y = xmalloc(m * n * sizeof(float));
+        int32_t *xsum = xmalloc(m * sizeof(int32_t));
+        uint8_t *packed = xmalloc(groups * k16);
+        uint16_t w_scale[4];
+        int8_t table[96], *lin = xmalloc(S3D8_LINEAR_WORK(m, k + 1));
+        for (size_t j = 0; j < k + 1; j++) { x[j] = 1000.0f; x[(k + 1) + j] = -1000.0f; }
+        for (int i = 0; i < 96; i++) table[i] = i < 3 ? 127 : 0;
+        memset(packed, 0, groups * k16);                      /* q = 0, signs + : w = +127 */
+        memset(w8, variant_case ? -128 : 127, n * (k + 1));
+        for (size_t c = 0; c < n; c++) w_scale[c] = s3d8_bf16_from_f32(1.0f / 64.0f);
+        int64_t wv = variant_case ? -128 : 127;
+        int ok = 1;
+        for (int threads = 1; threads <= 3; threads += 2) {
+            s3d8_quant(v, threads, m, k, x, k + 1, xq, ls, xs, xsum);
+            ok &= xq[0] == 127 && xq[ls] == -127;
+            for (size_t i = 0; i < m; i++) {
+                int64_t dot = (i ? -127 : 127) * wv * (int64_t)k;
+                ok &= dot <= INT32_MAX && dot >= INT32_MIN;
+                float e = ((float)(int32_t)dot * xs[i]) * (1.0f / 64.0f);
+                for (int path = 0; path < 4; path++) {
+                    if (variant_case && path != 2) continue;     /* -128 is an INT8 weight only */
+                    memset(y, 0, m * n * sizeof(float));
+                    int rc = path == 0 ? s3d8_matmul_s3d8(v, threads, m, n, k, xq, ls, xs, xsum, packed, table, w_scale, y, n)
+                           : path == 1 ? s3d8_matmul_s3d8_tiled(v, threads, m, n, k, xq, ls, xs, xsum, packed, table, w_scale, y, n, work, 1)
+                           : path == 2 ? s3d8_matmul_qsi8(v, threads, m, n, k, xq, ls, xs, xsum, w8, k + 1, w_scale, y, n)
+                                       : s3d8_matmul_qsi8(ref, 1, m, n, k, xq, ls, xs, xsum, w8, k + 1, w_scale, y, n);
+                    ok &= rc == 0;
+                    for (size_t c = 0; c < n; c++) ok &= bits_of(y[i * n + c]) == bits_of(e) || (path == 3 && variant_case == 0);
+                }
+            }
+            check(ok, name, variant_case ? "k bound, INT8 weights -128" : "k bound (S3D8_K_MAX)", m, n, k, threads);
+        }
+        if (!variant_case) { /* one more input: refused, nothing written */
+            size_t k1 = S3D8_K_MAX + 1;
+            s3d8_quant(v, 1, m, k1, x, k1, xq, ls, xs, xsum);
+            int refused = s3d8_matmul_s3d8(v, 1, m, n, k1, xq, ls, xs, xsum, packed, table, w_scale, y, n) == -2 &&
+                          s3d8_matmul_qsi8(v, 1, m, n, k1, xq, ls, xs, xsum, w8, k1, w_scale, y, n) == -2 &&
+                          s3d8_matmul_s3d8_tiled(v, 1, m, n, k1, xq, ls, xs, xsum, packed, table, w_scale, y, n, work, 1) == -2 &&
+                          s3d8_linear_s3d8(v, 1, m, n, k1, x, k1, packed, table, w_scale, y, n, lin) == -2 &&
+                          s3d8_linear_qsi8(v, 1, m, n, k1, x, k1, w8, k1, w_scale, y, n, lin) == -2;
+            check(refused, name, "k = S3D8_K_MAX + 1 refused", m, n, k1, 1);
+        }
+        free(x); free(xq); free(w8); free(work); free(xs); free(y); free(xsum); free(packed); free(lin);
+    }
+}
+
+/* A centroid table with a negative value is refused (-3) before any kernel writes. */
+static void test_bad_table(int v) {
+    const size_t m = 2, n = 5, k = 20, ls = S3D8_LHS_STRIDE(k);
+    int8_t table[96], xq[2 * 64] = {0}, w[5 * 20], work[3 * 3 * 64], lin[S3D8_LINEAR_WORK(2, 20)];
+    uint8_t packed[2 * 32] = {0};
+    float x[2 * 20] = {0}, xs[2] = {1, 1}, y[2 * 5];
+    int32_t xsum[2] = {0, 0};
+    uint16_t ws[5] = {0x3F80, 0x3F80, 0x3F80, 0x3F80, 0x3F80};
+    memset(table, 1, sizeof table);
+    table[50] = -128;
+    memset(w, 0x55, sizeof w);
+    memset(y, 0x55, sizeof y);
+    int ok = s3d8_decode(v, 1, n, k, packed, table, w, k) == -3 &&
+             s3d8_matmul_s3d8(v, 1, m, n, k, xq, ls, xs, xsum, packed, table, ws, y, n) == -3 &&
+             s3d8_matmul_s3d8_tiled(v, 1, m, n, k, xq, ls, xs, xsum, packed, table, ws, y, n, work, 1) == -3 &&
+             s3d8_linear_s3d8(v, 1, m, n, k, x, k, packed, table, ws, y, n, lin) == -3;
+    for (size_t i = 0; i < sizeof w; i++) ok &= w[i] == 0x55;
+    for (size_t i = 0; i < m * n; i++) ok &= bits_of(y[i]) == 0x55555555u;
+    check(ok, s3d8_variant_get(v)->name, "negative centroid refused", m, n, k, 1);
+}
+
 int main(int argc, char **argv) {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     size_t ns[] = {1, 2, 3, 4, 7, 13, 48, 100};
@@ -153,6 +345,15 @@ int main(int argc, char **argv) {
         }
         int before = failures;
         test_encode(v);
+        test_bad_table(v);
+        test_k_bound(v);
+        {
+            size_t nf_m[] = {1, 2, 5, 6, 7, 17}, nf_n[] = {1, 4, 7, 13}, nf_k[] = {1, 7, 16, 17, 65, 130};
+            for (size_t a = 0; a < 6; a++)
+                for (size_t b = 0; b < 4; b++)
+                    for (size_t c = 0; c < 6; c++)
+                        if (!quick || (a + b + c) % 2 == 0) test_nonfinite(v, nf_m[a], nf_n[b], nf_k[c]);
+        }
         for (size_t m = 1; m <= 17; m += quick ? 8 : 1)
             for (size_t a = 0; a < sizeof ns / sizeof ns[0]; a++)
                 for (size_t b = 0; b < sizeof ks / sizeof ks[0]; b++)

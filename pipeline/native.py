@@ -1,8 +1,33 @@
 """Python bindings of the S3D8 kernel library (``native/``, built by ``native/build.py``).
 
-Tensors go to C without copies (CPU, contiguous, the documented dtypes; anything else is a
-``ValueError`` that says what was expected). Results are bit-identical to the Python reference
-(``pipeline.formats.s3d8``, ``pipeline.quant``) for every variant and any thread count.
+Tensors go to C without copies when they are CPU, strided and contiguous with the documented
+dtypes. Every entry point checks its contract in Python before calling C, and wrong input is a
+``ValueError`` that names the argument, never a wrong answer or a crash:
+
+- dtype exactly as documented (no conversion of relabelled or wider types), CPU, strided layout,
+  the documented number of dimensions and sizes (shapes positive);
+- input tensors that are not contiguous (transposed, sliced, expanded) or carry a lazy negation
+  bit are copied first; ``out=`` must be contiguous and must not overlap an input;
+- S3D8 centroid tables are int8 ``[32, 3]`` in [0, 127] (decode, matmul, encode);
+- products refuse ``d_in`` > ``K_MAX`` = 133,144, the largest k with ``127 * 127 * k < 2^31``: the
+  int32 accumulators of every variant (and ``torch._int_mm``) would wrap beyond it. INT8 weights may
+  be any int8, -128 included (exact in every variant); a weight of -128 lowers the bound to
+  ``K_MAX_INT8_FULL`` = 132,104 (``128 * 127 * k < 2^31``), checked only when k exceeds it;
+- ``s3d8_encode`` refuses NaN / +-Inf weights (the caller adds the tensor's name);
+- ``threads`` is an int in [1, 1024], ``variant`` a name from ``available_variants()`` or None.
+
+Non-finite values, one policy in the Python reference (``pipeline.quant``), the scalar C reference
+and every SIMD variant, bit for bit (the NaN is 0x7FC00000 everywhere):
+
+- a token (row of ``x``) with any NaN or +-Inf quantises to zeros with scale NaN, so its output
+  row is all NaN (``s3d8_matmul``, ``int8_matmul``; ``quantize_activations`` gives zeros and a NaN
+  scale), on every path (fused, tiled, torch);
+- a weight channel scale that is NaN or +-Inf gives NaN in that output column (no ``ValueError``:
+  the check costs nothing in the epilogue, where a scan of the scales would cost a pass per call);
+- ``bf16_matmul`` (the float baseline) follows plain IEEE arithmetic.
+
+Results are bit-identical to the Python reference (``pipeline.formats.s3d8``, ``pipeline.quant``)
+for every variant and any thread count.
 
 Variants: ``available_variants()`` lists those this build and CPU can run, ``variant()`` the one
 used by default (the fastest, or ``S3D8_VARIANT`` from the environment). Every function takes
@@ -22,6 +47,7 @@ Products (``x`` float32 ``[m, k]`` quantised per token inside, exactly as
 
 from __future__ import annotations
 
+import operator
 import os
 import platform
 import threading
@@ -37,6 +63,10 @@ except ImportError as exc:  # pragma: no cover - only without a build
 GROUP = 3
 TABLE_SHAPE = (32, 3)
 PATHS = ("fused", "tiled", "torch")
+INT8_MAX = 127
+K_MAX = 133_144            # largest d_in with 127 * 127 * k < 2^31 (int32 accumulators exact)
+K_MAX_INT8_FULL = 132_104  # largest d_in with 128 * 127 * k < 2^31 (an INT8 weight of -128)
+MAX_THREADS = 1024
 # Path choice (measured by the arm-bench stage, see reports/bench.md): the fused kernel streams the
 # packed bytes once and wins while the product is memory-bound; above FUSED_MAX_M tokens the weights
 # are decoded to INT8 a tile at a time. The library's own INT8 kernel beats torch's oneDNN GEMM up to
@@ -93,6 +123,8 @@ _default_cache: dict[str | None, int] = {}
 
 
 def _variant_index(name: str | None) -> int:
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"variant: expected a variant name (str) or None, got {type(name).__name__}")
     if name is None:
         forced = os.environ.get("S3D8_VARIANT")
         if forced in _default_cache:
@@ -117,23 +149,34 @@ def variant() -> str:
 
 def _threads(threads: int | None) -> int:
     if threads is None:
-        return torch.get_num_threads()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads: expected a positive integer, got {threads!r}")
+        return max(1, min(torch.get_num_threads(), MAX_THREADS))
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads: expected an integer in [1, {MAX_THREADS}], got {threads!r}")
     return threads
 
 
-def _check(t, what: str, dtype: torch.dtype, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+def _check(t, what: str, dtype: torch.dtype, dims: tuple[int, ...] | None = None,
+           copy: bool = True) -> torch.Tensor:
+    """``t`` if it is a CPU tensor of ``dtype`` that C can read as it is; a contiguous copy of a
+    strided or lazily negated input (``copy=True``); otherwise a ``ValueError`` naming ``what``."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
     if t.dtype != dtype:
         raise ValueError(f"{what}: expected dtype {dtype}, got {t.dtype}")
     if t.device.type != "cpu":
         raise ValueError(f"{what}: expected a CPU tensor, got device {t.device}")
     if dims is not None and t.dim() not in dims:
         raise ValueError(f"{what}: expected {' or '.join(map(str, dims))} dimensions, got shape {list(t.shape)}")
+    if t.is_neg():                  # a view whose values C would read without the negation
+        if not copy:
+            raise ValueError(f"{what}: expected a plain tensor, got a lazily negated view")
+        t = t.resolve_neg()
     if not t.is_contiguous():
-        raise ValueError(f"{what}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
+        if not copy:
+            raise ValueError(f"{what}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
+        t = t.contiguous()
     return t
 
 
@@ -141,27 +184,76 @@ def _ptr(t: torch.Tensor, ctype: str):
     return ffi.cast(ctype, t.data_ptr())
 
 
-def _check_shape(shape) -> tuple[int, int]:
+TABLE_RANGE = "table: centroid values must lie in [0, 127]"
+
+
+def _ok(rc: int, what: str) -> None:
+    """The C drivers' status: the Python checks make a failure there a bug of this module (except
+    -3, a negative centroid, which the hot fused path leaves to C: 4 us less per call)."""
+    if rc == -3:
+        raise ValueError(f"{TABLE_RANGE}, got a negative value")
+    if rc != 0:
+        raise RuntimeError(f"{what}: the native library refused the call (status {rc}) after the "
+                           "Python checks passed; this is a bug in pipeline/native.py")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.numel() * b.element_size() and \
+        b0 < a0 + a.numel() * a.element_size()
+
+
+def _size(value, what: str) -> int:
+    """An integer size (int, numpy or 0-d integer tensor); floats and bools are refused, not truncated."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise ValueError(f"{what}: expected integer sizes, got {value!r}")
     try:
-        d_out, d_in = (int(s) for s in shape)
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what}: expected integer sizes, got {value!r}") from None
+
+
+def _check_shape(shape, what: str = "shape") -> tuple[int, int]:
+    try:
+        d_out, d_in = shape
     except (TypeError, ValueError):
-        raise ValueError(f"shape: expected (d_out, d_in), got {shape!r}") from None
+        raise ValueError(f"{what}: expected (d_out, d_in), got {shape!r}") from None
+    d_out, d_in = _size(d_out, what), _size(d_in, what)
     if d_out < 1 or d_in < 1:
-        raise ValueError(f"shape: expected positive sizes, got {tuple(shape)}")
+        raise ValueError(f"{what}: expected positive sizes, got {(d_out, d_in)}")
     return d_out, d_in
 
 
-def _check_s3d8(packed, table, shape) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+def _check_k(d_in: int, what: str, limit: int = K_MAX) -> None:
+    if d_in > limit:
+        raise ValueError(f"{what}: d_in = {d_in} exceeds {limit:,}, the largest input size whose int32 "
+                         f"dot products cannot overflow ({INT8_MAX} * {INT8_MAX + (limit != K_MAX)} * k "
+                         f"< 2^31); split the product along k")
+
+
+def _check_table(table, values: bool = True) -> torch.Tensor:
+    table = _check(table, "table", torch.int8)
+    if tuple(table.shape) != TABLE_SHAPE:
+        raise ValueError(f"table: expected shape [32, 3], got {list(table.shape)}")
+    if values:
+        _check_table_values(table)
+    return table
+
+
+def _check_table_values(table: torch.Tensor) -> None:
+    low = int(table.min())
+    if low < 0:
+        raise ValueError(f"{TABLE_RANGE}, got a minimum of {low}")
+
+
+def _check_s3d8(packed, table, shape, values: bool = True) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     d_out, d_in = _check_shape(shape)
     packed = _check(packed, "packed", torch.uint8, (1, 2))
     rows, cols = -(-d_out // GROUP), _pad(d_in, 16)
     if packed.numel() != rows * cols or (packed.dim() == 2 and tuple(packed.shape) != (rows, cols)):
         raise ValueError(f"packed: a weight of shape ({d_out}, {d_in}) needs [{rows}, {cols}] = "
                          f"{rows * cols} bytes, got shape {list(packed.shape)}")
-    table = _check(table, "table", torch.int8)
-    if tuple(table.shape) != TABLE_SHAPE:
-        raise ValueError(f"table: expected shape [32, 3], got {list(table.shape)}")
-    return d_out, d_in, packed, table
+    return d_out, d_in, packed, _check_table(table, values)
 
 
 def _check_scale(scale, d_out: int) -> torch.Tensor:
@@ -178,6 +270,15 @@ def _check_x(x, d_in: int) -> torch.Tensor:
     return x
 
 
+def _check_out(out, what: str, dtype: torch.dtype, shape: tuple[int, ...], *inputs) -> torch.Tensor:
+    out = _check(out, what, dtype, (len(shape),), copy=False)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{what}: expected {dtype} {list(shape)}, got shape {list(out.shape)}")
+    if any(_overlap(out, t) for t in inputs):
+        raise ValueError(f"{what}: must not overlap an input tensor")
+    return out
+
+
 def _quantize(x2: torch.Tensor, v: int, threads: int, scratch: bool = True):
     """Per-token INT8 activations in the kernels' layout: rows padded with zeros to a multiple of 64."""
     m, k = x2.shape
@@ -188,17 +289,23 @@ def _quantize(x2: torch.Tensor, v: int, threads: int, scratch: bool = True):
     else:
         xq = torch.empty(m, stride, dtype=torch.int8)
         xs, xsum = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.int32)
-    lib.s3d8_quant(v, threads, m, k, _ptr(x2, "float *"), k, _ptr(xq, "int8_t *"), stride,
-                   _ptr(xs, "float *"), _ptr(xsum, "int32_t *"))
+    _ok(lib.s3d8_quant(v, threads, m, k, _ptr(x2, "float *"), k, _ptr(xq, "int8_t *"), stride,
+                       _ptr(xs, "float *"), _ptr(xsum, "int32_t *")), "quantize")
     return xq, xs, xsum
 
 
 def quantize_activations(x: torch.Tensor, variant: str | None = None,
                          threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Native ``pipeline.quant.int8_activations`` for float32 ``[m, k]``: ``(int8 [m, k], bf16 [m, 1])``."""
+    """Native ``pipeline.quant.int8_activations`` for float32 ``[m, k]``: ``(int8 [m, k], bf16 [m, 1])``.
+    A row with NaN or +-Inf gives zeros and scale NaN."""
     x = _check(x, "x", torch.float32, (2,))
+    if x.shape[1] < 1:
+        raise ValueError(f"x: expected float32 [m, k] with k >= 1, got shape {list(x.shape)}")
     xq, xs, _ = _quantize(x, _variant_index(variant), _threads(threads), scratch=False)
-    return xq[:, :x.shape[1]].contiguous(), xs.to(torch.bfloat16).reshape(-1, 1)
+    # the scales are bf16 values (or the NaN 0x7FC00000): their top 16 bits, exactly (torch's own
+    # float -> bf16 conversion would turn the NaN into 0xFFFF)
+    scale = (xs.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    return xq[:, :x.shape[1]].contiguous(), scale.reshape(-1, 1)
 
 
 def s3d8_decode_int8(packed: torch.Tensor, table: torch.Tensor, shape, variant: str | None = None,
@@ -208,33 +315,38 @@ def s3d8_decode_int8(packed: torch.Tensor, table: torch.Tensor, shape, variant: 
     d_out, d_in, packed, table = _check_s3d8(packed, table, shape)
     if out is None:
         out = torch.empty(d_out, d_in, dtype=torch.int8)
-    elif _check(out, "out", torch.int8, (2,)).shape != (d_out, d_in):
-        raise ValueError(f"out: expected int8 [{d_out}, {d_in}], got shape {list(out.shape)}")
-    lib.s3d8_decode(_variant_index(variant), _threads(threads), d_out, d_in,
-                    _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(out, "int8_t *"), d_in)
+    else:
+        out = _check_out(out, "out", torch.int8, (d_out, d_in), packed, table)
+    _ok(lib.s3d8_decode(_variant_index(variant), _threads(threads), d_out, d_in,
+                        _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(out, "int8_t *"), d_in),
+        "s3d8_decode_int8")
     return out
 
 
 def s3d8_encode(weight: torch.Tensor, table: torch.Tensor, threads: int | None = None,
                 variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``weight [d_out, d_in]`` (float32, or bf16/fp16 converted exactly) like
-    ``pipeline.formats.s3d8.encode``: ``(packed uint8 [ceil(d_out/3), pad16(d_in)], scale bf16 [d_out, 1])``."""
+    ``pipeline.formats.s3d8.encode``: ``(packed uint8 [ceil(d_out/3), pad16(d_in)], scale bf16 [d_out, 1])``.
+    NaN or +-Inf weights are a ``ValueError`` (the message names ``weight``; callers add the tensor's name)."""
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         raise ValueError(f"weight: expected a floating-point torch.Tensor, got "
                          f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
-    if weight.dtype in (torch.bfloat16, torch.float16):
+    if weight.layout == torch.strided and weight.dtype in (torch.bfloat16, torch.float16):
         weight = weight.float()
     weight = _check(weight.detach(), "weight", torch.float32, (2,))
-    d_out, d_in = _check_shape(weight.shape)
-    table = _check(table, "table", torch.int8)
-    if tuple(table.shape) != TABLE_SHAPE:
-        raise ValueError(f"table: expected shape [32, 3], got {list(table.shape)}")
-    if int(table.min()) < 0:
-        raise ValueError("table: centroid values must lie in [0, 127]")
+    d_out, d_in = _check_shape(weight.shape, "weight")
+    finite = torch.isfinite(weight)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()
+        r, c = (int(i) for i in bad[0])
+        raise ValueError(f"weight: {bad.shape[0]} non-finite value(s) (NaN or +-Inf), the first "
+                         f"{float(weight[r, c])} at [{r}, {c}]; S3D8 encodes finite weights only")
+    table = _check_table(table)
     packed = torch.empty(-(-d_out // GROUP), _pad(d_in, 16), dtype=torch.uint8)
     scale = torch.empty(d_out, 1, dtype=torch.bfloat16)
-    lib.s3d8_encode(_variant_index(variant), _threads(threads), d_out, d_in, _ptr(weight, "float *"), d_in,
-                    _ptr(table, "int8_t *"), _ptr(packed, "uint8_t *"), _ptr(scale, "uint16_t *"))
+    _ok(lib.s3d8_encode(_variant_index(variant), _threads(threads), d_out, d_in, _ptr(weight, "float *"),
+                        d_in, _ptr(table, "int8_t *"), _ptr(packed, "uint8_t *"), _ptr(scale, "uint16_t *")),
+        "s3d8_encode")
     return packed, scale
 
 
@@ -253,9 +365,11 @@ def _int_mm_epilogue(xq: torch.Tensor, w: torch.Tensor, xs: torch.Tensor, w_scal
     """``y = ((float)(xq @ w.T) * xs) * w_scale`` with torch's INT8 GEMM; ``y`` may be a column slice."""
     m, n = xq.shape[0], w.shape[0]
     acc = _scratch("acc", m * n, torch.int32).view(m, n)
-    torch._int_mm(xq, w.t(), out=acc)
-    lib.s3d8_dequant(v, threads, m, n, _ptr(acc, "int32_t *"), n, _ptr(xs, "float *"), w_scale,
-                     _ptr(y, "float *"), y.stride(0))
+    # k = 1: w.t() has strides (1, 1), which torch._int_mm (oneDNN) misreads for n > 1 (wrong sums,
+    # found by tests/test_native_fuzz.py); the row-major view [1, n] has unambiguous strides (n, 1).
+    torch._int_mm(xq, w.t() if w.shape[1] > 1 else w.reshape(1, n), out=acc)
+    _ok(lib.s3d8_dequant(v, threads, m, n, _ptr(acc, "int32_t *"), n, _ptr(xs, "float *"), w_scale,
+                         _ptr(y, "float *"), y.stride(0)), "dequant")
 
 
 def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor,
@@ -266,38 +380,44 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
     ``y = ((float)int32_dot(int8_x, int8_w) * x_scale[m]) * w_scale[n]``. Leading dimensions of
     ``x`` beyond the last are flattened as tokens. ``path`` forces ``"fused"``, ``"tiled"`` (decode
     tiles + the variant's INT8 kernel) or ``"torch"`` (decode tiles + ``torch._int_mm``).
+    A token with NaN/Inf gives an all-NaN row, a NaN/Inf channel scale a NaN column; ``d_in`` is at
+    most ``K_MAX``.
     """
-    d_out, d_in, packed, table = _check_s3d8(packed, table, shape)
+    d_out, d_in, packed, table = _check_s3d8(packed, table, shape, values=False)
+    _check_k(d_in, "shape")
     scale = _check_scale(scale, d_out)
     x = _check_x(x, d_in)
     v, t = _variant_index(variant), _threads(threads)
     x2 = x.reshape(-1, d_in)
     m = x2.shape[0]
     y = torch.empty(m, d_out, dtype=torch.float32)
+    chosen = _choose_path(path, m, d_in)
+    if chosen != "fused" or m == 0:  # the fused path's C entry checks the centroids itself (-3)
+        _check_table_values(table)
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
-    chosen = _choose_path(path, m, d_in)
     if chosen == "fused":  # one C call: quantise into a reused workspace, then the fused kernel
         work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
-        lib.s3d8_linear_s3d8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, packed.data_ptr(),
-                                table.data_ptr(), scale.data_ptr(), y.data_ptr(), d_out, work.data_ptr())
+        _ok(lib.s3d8_linear_s3d8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, packed.data_ptr(),
+                                    table.data_ptr(), scale.data_ptr(), y.data_ptr(), d_out,
+                                    work.data_ptr()), "s3d8_matmul")
         return y.reshape(*x.shape[:-1], d_out)
     xq, xs, xsum = _quantize(x2, v, t)
     p_packed, p_table, p_scale = _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(scale, "uint16_t *")
     if chosen == "tiled":
         work = _scratch("tiles", t * 3 * TILE_GROUPS * xq.stride(0), torch.int8)
-        lib.s3d8_matmul_s3d8_tiled(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
-                                   _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), p_packed, p_table,
-                                   p_scale, _ptr(y, "float *"), d_out, _ptr(work, "int8_t *"),
-                                   TILE_GROUPS)
+        _ok(lib.s3d8_matmul_s3d8_tiled(v, t, m, d_out, d_in, _ptr(xq, "int8_t *"), xq.stride(0),
+                                       _ptr(xs, "float *"), _ptr(xsum, "int32_t *"), p_packed, p_table,
+                                       p_scale, _ptr(y, "float *"), d_out, _ptr(work, "int8_t *"),
+                                       TILE_GROUPS), "s3d8_matmul")
     else:
         rows = min(_pad(d_out, GROUP), max(GROUP * TILE_GROUPS, TORCH_TILE_BYTES // d_in // GROUP * GROUP))
         tile = _scratch("decoded", rows * d_in, torch.int8).view(rows, d_in)
         k16 = _pad(d_in, 16)
         for r0 in range(0, d_out, rows):
             n = min(rows, d_out - r0)
-            lib.s3d8_decode(v, t, n, d_in, p_packed + (r0 // GROUP) * k16, p_table,
-                            _ptr(tile, "int8_t *"), d_in)
+            _ok(lib.s3d8_decode(v, t, n, d_in, p_packed + (r0 // GROUP) * k16, p_table,
+                                _ptr(tile, "int8_t *"), d_in), "s3d8_matmul")
             _int_mm_epilogue(xq[:, :d_in], tile[:n], xs, p_scale + r0, y[:, r0:], v, t)
     return y.reshape(*x.shape[:-1], d_out)
 
@@ -305,46 +425,52 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 variant: str | None = None, threads: int | None = None,
                 path: str | None = None) -> torch.Tensor:
-    """``x @ W.T`` for a per-channel INT8 weight ``int8 [n, k]`` (values in [-127, 127]) with bf16
-    channel scales: the same activation handling and epilogue as ``s3d8_matmul``. ``path`` is
+    """``x @ W.T`` for a per-channel INT8 weight ``int8 [n, k]`` with bf16 channel scales: the same
+    activation handling, non-finite policy and epilogue as ``s3d8_matmul``. Weights are symmetric INT8
+    ([-127, 127]) by convention, and -128 is exact too (then k <= ``K_MAX_INT8_FULL``). ``path`` is
     ``"fused"`` (the library's kernel) or ``"torch"`` (``torch._int_mm``); by default fused for small m."""
     weight = _check(weight, "weight", torch.int8, (2,))
-    d_out, d_in = weight.shape
+    d_out, d_in = _check_shape(weight.shape, "weight")
+    _check_k(d_in, "weight")
+    if d_in > K_MAX_INT8_FULL and bool((weight == -128).any()):
+        _check_k(d_in, "weight (holds -128)", K_MAX_INT8_FULL)
     scale = _check_scale(scale, d_out)
     x = _check_x(x, d_in)
     v, t = _variant_index(variant), _threads(threads)
     x2 = x.reshape(-1, d_in)
     m = x2.shape[0]
     y = torch.empty(m, d_out, dtype=torch.float32)
+    chosen = _choose_path(path, m, d_in)
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
-    if _choose_path(path, m, d_in) == "torch":
+    if chosen == "torch":
         xq, xs, _ = _quantize(x2, v, t)
         _int_mm_epilogue(xq[:, :d_in], weight, xs, _ptr(scale, "uint16_t *"), y, v, t)
     else:  # "fused" and "tiled" are the same kernel for INT8 weights
         work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
-        lib.s3d8_linear_qsi8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, weight.data_ptr(), d_in,
-                                scale.data_ptr(), y.data_ptr(), d_out, work.data_ptr())
+        _ok(lib.s3d8_linear_qsi8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, weight.data_ptr(), d_in,
+                                    scale.data_ptr(), y.data_ptr(), d_out, work.data_ptr()), "int8_matmul")
     return y.reshape(*x.shape[:-1], d_out)
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, variant: str | None = None,
                 threads: int | None = None) -> torch.Tensor:
-    """``x @ W.T`` for a bfloat16 weight ``[n, k]`` and float32 ``x``, float32 accumulation (baseline)."""
+    """``x @ W.T`` for a bfloat16 weight ``[n, k]`` and float32 ``x``, float32 accumulation (baseline;
+    NaN and Inf propagate as in IEEE arithmetic, and the summation order is the variant's own)."""
     weight = _check(weight, "weight", torch.bfloat16, (2,))
-    d_out, d_in = weight.shape
+    d_out, d_in = _check_shape(weight.shape, "weight")
     x = _check_x(x, d_in)
     x2 = x.reshape(-1, d_in)
     y = torch.empty(x2.shape[0], d_out, dtype=torch.float32)
-    lib.s3d8_matmul_bf16(_variant_index(variant), _threads(threads), x2.shape[0], d_out, d_in,
-                         _ptr(x2, "float *"), d_in, _ptr(weight, "uint16_t *"), d_in,
-                         _ptr(y, "float *"), d_out)
+    _ok(lib.s3d8_matmul_bf16(_variant_index(variant), _threads(threads), x2.shape[0], d_out, d_in,
+                             _ptr(x2, "float *"), d_in, _ptr(weight, "uint16_t *"), d_in,
+                             _ptr(y, "float *"), d_out), "bf16_matmul")
     return y.reshape(*x.shape[:-1], d_out)
 
 
 def read_bandwidth_probe(buf: torch.Tensor) -> int:
     """Read every byte of ``buf`` (uint8, contiguous) once; for measuring memory bandwidth."""
-    buf = _check(buf, "buf", torch.uint8)
+    buf = _check(buf, "buf", torch.uint8, copy=False)
     return int(lib.s3d8_read_bandwidth_probe(_ptr(buf, "uint8_t *"), buf.numel()))
 
 
@@ -356,13 +482,22 @@ class S3D8Linear(torch.nn.Module):
                  bias: torch.Tensor | None = None):
         super().__init__()
         d_out, d_in, packed, table = _check_s3d8(packed, table, shape)
+        _check_k(d_in, "shape")
         self.shape = (d_out, d_in)
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.numel() != d_out:
+                raise ValueError(f"bias: expected a floating-point tensor of {d_out} values, got "
+                                 f"{list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+            bias = bias.detach().float().reshape(d_out).contiguous()
         self.register_buffer("packed", packed.reshape(-(-d_out // GROUP), _pad(d_in, 16)))
         self.register_buffer("scale", _check_scale(scale, d_out))
         self.register_buffer("table", table)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"x: expected a floating-point tensor, got "
+                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
         dtype = x.dtype
         y = s3d8_matmul(x.float().contiguous(), self.packed, self.scale, self.table, self.shape)
         if self.bias is not None:

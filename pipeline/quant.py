@@ -3,6 +3,12 @@
 SPEC section 2: activations are channel-scaled INT8 per token (per row of the 2-D input), with
 ``scale = bf16(absmax / 127)`` (absmax 0 -> 1) and ``q = round(x / scale)`` clamped to [-127, 127].
 This module holds the only implementation; QAT, the native kernels' tests and evaluation import it.
+
+Non-finite values (the policy the native kernels share bit for bit, ``pipeline.native``): a row
+(token) holding any NaN or +-Inf quantises to all zeros with scale NaN, so its products are an
+all-NaN output row (and ``fake_quant_activations`` returns NaN for the whole row); in
+``int8_matmul_reference`` a NaN or +-Inf weight channel scale gives NaN in that output column.
+Finite input is unaffected.
 """
 
 from __future__ import annotations
@@ -23,11 +29,18 @@ def channel_scale(x: torch.Tensor, qmax: float = INT8_MAX) -> torch.Tensor:
     return torch.where(absmax == 0, torch.ones_like(scale), scale)
 
 
+def _nan_if_not_finite(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` with every +-Inf (and NaN) replaced by NaN: the non-finite policy's marker."""
+    return torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+
+
 def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``round(x / scale)`` clamped to [-127, 127] (as float values) and the bf16 scales."""
+    """``round(x / scale)`` clamped to [-127, 127] (as float values) and the bf16 scales.
+
+    A row with NaN or +-Inf has scale NaN (its absmax is NaN or Inf), so its values are NaN here."""
     if not x.is_floating_point():
         raise ValueError(f"int8_activations: expected a floating-point tensor, got {x.dtype}")
-    scale = channel_scale(x)
+    scale = _nan_if_not_finite(channel_scale(x))
     return torch.round(x.detach().float() / scale.float()).clamp_(-INT8_MAX, INT8_MAX), scale
 
 
@@ -35,10 +48,11 @@ def int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x`` per row to INT8: returns ``(int8 values, bfloat16 scales [..., 1])``.
 
     ``values * scales`` approximates ``x``; rounding is half to even (``torch.round``), matching
-    ``rintf`` in the native kernels.
+    ``rintf`` in the native kernels. A row with NaN or +-Inf gives zeros and scale NaN; a NaN from
+    0 / 0 (a scale that underflowed to 0) gives 0, as in the native kernels.
     """
     q, scale = _rounded(x)
-    return q.to(torch.int8), scale
+    return torch.nan_to_num_(q, nan=0.0).to(torch.int8), scale
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -73,7 +87,10 @@ def int8_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Ten
                           w_scale: torch.Tensor) -> torch.Tensor:
     """Reference INT8 product: ``((float)(xq @ wq.T as int32) * x_scale[m]) * w_scale[n]`` in float32.
 
-    The epilogue order is part of the contract the native kernels reproduce bit for bit.
+    The epilogue order is part of the contract the native kernels reproduce bit for bit. A NaN or
+    +-Inf scale (token or channel) gives NaN in its output row or column.
     """
     acc = xq.to(torch.int32) @ wq.to(torch.int32).T
-    return acc.float() * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
+    x_scale = _nan_if_not_finite(x_scale.float().reshape(-1, 1))
+    w_scale = _nan_if_not_finite(w_scale.float().reshape(1, -1))
+    return acc.float() * x_scale * w_scale

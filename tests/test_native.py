@@ -188,10 +188,8 @@ def test_bad_input_raises_clear_errors():
         native.s3d8_decode_int8(packed[:, :32].contiguous(), table, shape)
     with pytest.raises(ValueError, match=r"needs \[4, 48\]"):
         native.s3d8_matmul(x, packed, scale, table, (10, 33))
-    with pytest.raises(ValueError, match="contiguous"):
-        native.s3d8_matmul(torch.randn(33, 2).T, packed, scale, table, shape)
-    with pytest.raises(ValueError, match="contiguous"):
-        native.s3d8_decode_int8(torch.zeros(48, 3, dtype=torch.uint8).T, table, shape)
+    with pytest.raises(ValueError, match="out: expected a contiguous tensor"):
+        native.s3d8_decode_int8(packed, table, shape, out=torch.empty(33, 7, dtype=torch.int8).T)
     with pytest.raises(ValueError, match="x: expected dtype torch.float32"):
         native.s3d8_matmul(x.double(), packed, scale, table, shape)
     with pytest.raises(ValueError, match=r"x: expected float32 \[m, 33\]"):
@@ -245,3 +243,267 @@ def test_bench_program_runs_tiny_shapes(native_program):
     lines = out.stdout.splitlines()
     assert len(lines) == 9 and all("check=ok" in line for line in lines)
     assert all(f"variant={native.variant()}" in line for line in lines)
+
+
+# ---- Non-finite values, contracts checked before C (issue 12) ---------------------------------
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and identical bits: NaN positions and payloads included."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.int32 if a.element_size() == 4 else torch.int16),
+        b.contiguous().view(torch.int32 if b.element_size() == 4 else torch.int16))
+
+
+def nonfinite_inputs(m: int, d_in: int, d_out: int, seed: int = 5):
+    """x with NaN/Inf tokens (first, middle, last position) and scales with NaN/Inf channels."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, d_in, generator=gen) * 3
+    bad_rows = torch.zeros(m, dtype=torch.bool)
+    for i in range(m):
+        kind = i % 5
+        if kind == 0:
+            x[i, i % d_in] = float("nan")
+        elif kind == 1:
+            x[i, d_in - 1] = float("inf")
+        elif kind == 2:
+            x[i, 0] = -float("inf")
+        elif kind == 4:
+            x[i, 0], x[i, d_in // 2] = 1e38, float("nan")
+        bad_rows[i] = kind != 3
+    _, packed, scale, table = random_s3d8(d_out, d_in, seed=seed)
+    bad_cols = torch.arange(d_out) % 4 == 1
+    for j, c in enumerate(bad_cols.nonzero().flatten().tolist()):
+        scale[c] = [float("nan"), float("inf"), -float("inf")][j % 3]
+    return x, packed, scale, table, bad_rows, bad_cols
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_nonfinite_policy_all_paths_bit_for_bit(variant):
+    """A token with NaN/Inf gives an all-NaN row, a NaN/Inf channel scale a NaN column: the same
+    bits (0x7FC00000) as the Python reference, on every path and thread count."""
+    d_out, d_in = 13, 70
+    for m in (1, 6, 20):
+        x, packed, scale, table, bad_rows, bad_cols = nonfinite_inputs(m, d_in, d_out, seed=m)
+        w_int8 = s3d8.decode_int8(packed, table, (d_out, d_in)).contiguous()
+        xq, x_scale = int8_activations(x)
+        assert torch.equal(xq[bad_rows], torch.zeros_like(xq[bad_rows]))
+        assert torch.isnan(x_scale[bad_rows]).all() and not torch.isnan(x_scale[~bad_rows]).any()
+        expected = int8_matmul_reference(xq, x_scale, w_int8, scale)
+        nan_mask = bad_rows[:, None] | bad_cols[None, :]
+        assert torch.equal(torch.isnan(expected), nan_mask)
+        got_q, got_scale = native.quantize_activations(x, variant=variant)
+        assert torch.equal(got_q, xq) and same_bits(got_scale, x_scale)
+        for path in native.PATHS:
+            for threads in (1, 3):
+                got = native.s3d8_matmul(x, packed, scale, table, (d_out, d_in), variant=variant,
+                                         threads=threads, path=path)
+                assert same_bits(got, expected), (m, path, threads)
+        for path in ("fused", "torch"):
+            got = native.int8_matmul(x, w_int8, scale, variant=variant, path=path)
+            assert same_bits(got, expected), (m, path, "int8")
+
+
+def test_nonfinite_finite_input_unchanged():
+    """The policy touches nothing finite: a finite batch gives no NaN anywhere."""
+    _, packed, scale, table = random_s3d8(13, 70)
+    y = native.s3d8_matmul(activations(9, 70), packed, scale, table, (13, 70))
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_int8_weight_minus_128_is_exact(variant):
+    """-128 weights (sign-epi8 overflow in AVX2 before issue 12) equal the int32 reference."""
+    gen = torch.Generator().manual_seed(7)
+    for d_out, d_in in [(5, 31), (9, 64), (4, 200)]:
+        w = torch.randint(-128, 128, (d_out, d_in), dtype=torch.int8, generator=gen)
+        w[0] = -128
+        scale = (torch.rand(d_out, 1, generator=gen) + 0.5).to(torch.bfloat16)
+        for m in (1, 5, 17):
+            x = activations(m, d_in, seed=m)
+            x[0] = -1e4                                    # -127 times -128: the overflowing pair
+            xq, x_scale = int8_activations(x)
+            expected = int8_matmul_reference(xq, x_scale, w, scale)
+            for path in ("fused", "torch"):
+                assert torch.equal(native.int8_matmul(x, w, scale, variant=variant, path=path), expected)
+
+
+def test_k_bound_is_exact():
+    assert 127 * 127 * native.K_MAX < 2 ** 31 <= 127 * 127 * (native.K_MAX + 1)
+    assert 128 * 127 * native.K_MAX_INT8_FULL < 2 ** 31 <= 128 * 127 * (native.K_MAX_INT8_FULL + 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_k_at_the_bound_is_exact_and_beyond_refused(variant):
+    k = native.K_MAX
+    x = torch.full((2, k), 1000.0)
+    x[1] = -1000.0                                         # +-127 after quantisation
+    table = torch.zeros(32, 3, dtype=torch.int8)
+    table[0] = 127
+    packed = torch.zeros(1, _pad16(k), dtype=torch.uint8)  # q = 0, positive signs: w = +127
+    scale = torch.full((3, 1), 1 / 64, dtype=torch.bfloat16)
+    xq, x_scale = int8_activations(x)
+    w = torch.full((3, k), 127, dtype=torch.int8)
+    expected = int8_matmul_reference(xq, x_scale, w, scale)
+    acc = torch.tensor([[127 * 127 * k], [-127 * 127 * k]], dtype=torch.int64).float()  # no wrap
+    assert torch.equal(expected, (acc * x_scale.float() * scale.float().reshape(1, -1)))
+    for path in native.PATHS:
+        assert torch.equal(native.s3d8_matmul(x, packed, scale, table, (3, k), variant=variant, path=path), expected)
+    for path in ("fused", "torch"):
+        assert torch.equal(native.int8_matmul(x, w, scale, variant=variant, path=path), expected)
+    # INT8 weights of -128: exact at K_MAX_INT8_FULL, refused above it
+    k8 = native.K_MAX_INT8_FULL
+    w8 = torch.full((3, k8), -128, dtype=torch.int8)
+    x8 = x[:, :k8].contiguous()
+    xq8, xs8 = int8_activations(x8)
+    assert torch.equal(native.int8_matmul(x8, w8, scale, variant=variant),
+                       int8_matmul_reference(xq8, xs8, w8, scale))
+    w8 = torch.full((3, k8 + 1), -128, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"weight \(holds -128\): d_in = 132,?105 exceeds 132,104"):
+        native.int8_matmul(x[:, :k8 + 1].contiguous(), w8, scale, variant=variant)
+    # one more input than K_MAX: refused before C
+    x1 = torch.zeros(1, k + 1)
+    with pytest.raises(ValueError, match="shape: d_in = 133145 exceeds 133,144"):
+        native.s3d8_matmul(x1, torch.zeros(1, _pad16(k + 1), dtype=torch.uint8), scale, table, (3, k + 1),
+                           variant=variant)
+    with pytest.raises(ValueError, match="weight: d_in = 133145 exceeds 133,144"):
+        native.int8_matmul(x1, torch.zeros(3, k + 1, dtype=torch.int8), scale, variant=variant)
+
+
+def _pad16(k: int) -> int:
+    return -(-k // 16) * 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_encode_rejects_nonfinite_weights(dtype, bad):
+    w, _, _, table = random_s3d8(7, 33)
+    w = w.to(dtype)
+    w[4, 20] = bad
+    with pytest.raises(ValueError, match=r"weight: 1 non-finite value\(s\).* at \[4, 20\]"):
+        native.s3d8_encode(w, table)
+
+
+def test_negative_table_is_refused_everywhere():
+    shape = (7, 33)
+    w, packed, scale, table = random_s3d8(*shape)
+    table[3, 1] = -5
+    match = r"table: centroid values must lie in \[0, 127\], got (a minimum of -5|a negative value)"
+    with pytest.raises(ValueError, match=match):
+        native.s3d8_decode_int8(packed, table, shape)
+    for path in (None, *native.PATHS):
+        for variant in VARIANTS:
+            with pytest.raises(ValueError, match=match):
+                native.s3d8_matmul(torch.randn(2, 33), packed, scale, table, shape, path=path, variant=variant)
+    with pytest.raises(ValueError, match=match):
+        native.s3d8_encode(w, table)
+    with pytest.raises(ValueError, match=match):
+        native.S3D8Linear(packed, scale, table, shape)
+
+
+def test_strided_and_relabelled_inputs_are_copied():
+    """Inputs that C could not read as they are (transposed, sliced, expanded, a lazy negation)
+    are copied: the result equals that of the plain tensor."""
+    shape = (7, 33)
+    w, packed, scale, table = random_s3d8(*shape)
+    x = torch.randn(3, 33)
+    expected = native.s3d8_matmul(x, packed, scale, table, shape)
+    assert torch.equal(native.s3d8_matmul(x.T.contiguous().T, packed, scale, table, shape), expected)
+    wide = torch.zeros(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8)
+    wide[:, ::2] = packed
+    assert torch.equal(native.s3d8_matmul(x, wide[:, ::2], scale, table, shape), expected)
+    assert torch.equal(native.s3d8_matmul(x, packed, scale.T.contiguous().T, table.T.contiguous().T, shape), expected)
+    neg = torch._neg_view(-x)
+    assert neg.is_neg()
+    assert torch.equal(native.s3d8_matmul(neg, packed, scale, table, shape), expected)
+    row = torch.randn(1, 33)
+    assert torch.equal(native.s3d8_matmul(row.expand(4, 33), packed, scale, table, shape),
+                       native.s3d8_matmul(row.repeat(4, 1), packed, scale, table, shape))
+    w8 = s3d8.decode_int8(packed, table, shape).contiguous()
+    assert torch.equal(native.int8_matmul(x, w8.T.contiguous().T, scale), native.int8_matmul(x, w8, scale))
+    assert torch.equal(native.s3d8_decode_int8(wide[:, ::2], table, shape), w8)
+    p1, s1 = native.s3d8_encode(w.T.contiguous().T, table)
+    p2, s2 = native.s3d8_encode(torch._neg_view(-w), table)
+    assert torch.equal(p1, packed) and torch.equal(s1, scale) and torch.equal(p2, packed)
+    q1, _ = native.quantize_activations(x[:, ::1].T.contiguous().T)
+    assert torch.equal(q1, int8_activations(x)[0])
+
+
+def test_bad_arguments_are_value_errors():
+    shape = (7, 33)
+    _, packed, scale, table = random_s3d8(*shape)
+    x = torch.randn(2, 33)
+    out = torch.empty(7, 33, dtype=torch.int8)
+    buf = torch.zeros(400, dtype=torch.uint8)
+    buf[:144] = packed.flatten()
+    with pytest.raises(ValueError, match="out: must not overlap an input"):
+        native.s3d8_decode_int8(buf[:144], table, shape, out=buf[100:331].view(torch.int8).view(7, 33))
+    with pytest.raises(ValueError, match="out: expected a plain tensor"):
+        native.s3d8_decode_int8(packed, table, shape, out=torch._neg_view(out))
+    with pytest.raises(ValueError, match=r"out: expected torch.int8 \[7, 33\]"):
+        native.s3d8_decode_int8(packed, table, shape, out=torch.empty(7, 32, dtype=torch.int8))
+    for threads in (0, -1, 1025, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="threads"):
+            native.s3d8_matmul(x, packed, scale, table, shape, threads=threads)
+    with pytest.raises(ValueError, match="variant: expected a variant name"):
+        native.s3d8_matmul(x, packed, scale, table, shape, variant=3)
+    for bad_shape in [(7.0, 33), (7, 33.5), (True, 33), (7,), "7x33", None, (7, 33, 1)]:
+        with pytest.raises(ValueError, match="shape"):
+            native.s3d8_decode_int8(packed, table, bad_shape)
+    assert torch.equal(native.s3d8_decode_int8(packed, table, (torch.tensor(7), 33)),
+                       native.s3d8_decode_int8(packed, table, shape))
+    with pytest.raises(ValueError, match="x: expected a dense"):
+        native.s3d8_matmul(x.to_sparse(), packed, scale, table, shape)
+    with pytest.raises(ValueError, match="x: expected a CPU tensor"):
+        native.s3d8_matmul(x.to("meta"), packed, scale, table, shape)
+    with pytest.raises(ValueError, match="scale: expected dtype torch.bfloat16, got torch.int16"):
+        native.s3d8_matmul(x, packed, scale.view(torch.int16), table, shape)
+    with pytest.raises(ValueError, match="packed: expected dtype torch.uint8, got torch.int8"):
+        native.s3d8_matmul(x, packed.view(torch.int8), scale, table, shape)
+    with pytest.raises(ValueError, match="weight: expected dtype torch.int8, got torch.uint8"):
+        native.int8_matmul(x, torch.zeros(7, 33, dtype=torch.uint8), scale)
+    with pytest.raises(ValueError, match="weight: expected positive sizes"):
+        native.int8_matmul(torch.randn(2, 0), torch.zeros(7, 0, dtype=torch.int8), scale)
+    with pytest.raises(ValueError, match="k >= 1"):
+        native.quantize_activations(torch.randn(2, 0))
+    with pytest.raises(ValueError, match="weight: expected dtype torch.float32, got torch.float64"):
+        native.s3d8_encode(torch.zeros(7, 33, dtype=torch.float64), table)
+    with pytest.raises(ValueError, match="bias: expected a floating-point tensor of 7 values"):
+        native.S3D8Linear(packed, scale, table, shape, bias=torch.zeros(6))
+    with pytest.raises(ValueError, match="x: expected a floating-point tensor"):
+        native.S3D8Linear(packed, scale, table, shape)(torch.ones(2, 33, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_torch_path_with_one_input(variant):
+    """d_in = 1 on the torch._int_mm path: torch misreads the [1, n] operand with strides (1, 1)
+    (wrong sums for n > 1, found by the fuzz tests); the library passes unambiguous strides."""
+    gen = torch.Generator().manual_seed(11)
+    for d_out in (2, 5, 40):
+        w = torch.randint(-128, 128, (d_out, 1), dtype=torch.int8, generator=gen)
+        scale = (torch.rand(d_out, 1, generator=gen) + 0.5).to(torch.bfloat16)
+        _, packed, s_scale, table = random_s3d8(d_out, 1)
+        for m in (1, 3, 20):
+            x = torch.randn(m, 1, generator=gen)
+            xq, xs = int8_activations(x)
+            assert torch.equal(native.int8_matmul(x, w, scale, variant=variant, path="torch"),
+                               int8_matmul_reference(xq, xs, w, scale))
+            expected = int8_matmul_reference(xq, xs, s3d8.decode_int8(packed, table, (d_out, 1)), s_scale)
+            assert torch.equal(native.s3d8_matmul(x, packed, s_scale, table, (d_out, 1), variant=variant,
+                                                  path="torch"), expected)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_encode_row_with_underflowing_scale(variant):
+    """A row with 0 < absmax < ~5.8e-39 gets scale bf16(absmax / 127) = 0: it decodes to 0, and is
+    encoded like a zero row, so the neighbours sharing its bytes keep their own centroids."""
+    w, _, _, table = random_s3d8(9, 40)
+    w[3] = 0.0
+    w[3, 5], w[3, 7] = 1e-40, -1e-45
+    w_zeroed = w.clone()
+    w_zeroed[3] = 0.0
+    packed, scale = native.s3d8_encode(w, table, variant=variant)
+    ref_packed, ref_scale = s3d8.encode(w_zeroed, table)
+    assert float(scale[3]) == 0.0 and torch.equal(scale[[0, 1, 2, 4, 5, 6, 7, 8]], ref_scale[[0, 1, 2, 4, 5, 6, 7, 8]])
+    assert torch.equal(packed, ref_packed)
+    decoded = s3d8.decode(packed, scale, table, (9, 40))
+    assert torch.equal(decoded[3], torch.zeros(40)) and torch.equal(decoded[4], s3d8.decode(ref_packed, ref_scale, table, (9, 40))[4])

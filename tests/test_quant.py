@@ -57,3 +57,34 @@ def test_int8_matmul_reference_epilogue_order():
     xs = torch.tensor([[0.5]], dtype=torch.bfloat16)
     ws = torch.tensor([[2.0], [0.25]], dtype=torch.bfloat16)
     assert int8_matmul_reference(xq, xs, wq, ws).tolist() == [[11.0, 0.875]]
+
+
+def test_nonfinite_token_quantises_to_zeros_with_nan_scale():
+    """Issue 12 policy: a row with NaN or +-Inf -> zeros and scale NaN (the products are NaN rows);
+    the other rows are exactly as before."""
+    x = torch.tensor([[1.0, float("nan"), 3.0], [float("inf"), 1.0, 2.0], [-float("inf"), 0.0, 0.0],
+                      [127.0, -63.5, 0.5]])
+    q, scale = int8_activations(x)
+    assert q[:3].eq(0).all() and torch.isnan(scale[:3]).all()
+    assert scale[:3].view(torch.int16).eq(0x7FC0).all()          # the canonical NaN, as in C
+    assert q[3].tolist() == [127, -64, 0] and scale[3].item() == 1.0
+    y = fake_quant_activations(x)
+    assert torch.isnan(y[:3]).all() and torch.equal(y[3], q[3].float() * scale[3].float())
+
+
+def test_int8_matmul_reference_nonfinite_scales():
+    xq = torch.tensor([[1, 2], [3, 4]], dtype=torch.int8)
+    wq = torch.tensor([[3, 4], [-5, 6], [0, 0]], dtype=torch.int8)
+    xs = torch.tensor([[0.5], [float("nan")]], dtype=torch.bfloat16)
+    ws = torch.tensor([[2.0], [float("inf")], [-float("inf")]], dtype=torch.bfloat16)
+    y = int8_matmul_reference(xq, xs, wq, ws)
+    assert y[0, 0] == 11.0
+    assert torch.isnan(y[1]).all() and torch.isnan(y[:, 1:]).all()   # Inf scale -> NaN, 0 * Inf too
+    assert y.view(torch.int32)[torch.isnan(y)].eq(0x7FC00000).all()
+
+
+def test_scale_underflow_still_gives_zero():
+    """A finite row whose scale rounds to 0 in bf16: 0 / 0 gives 0 (unchanged by the policy)."""
+    x = torch.tensor([[1e-40, 0.0, -1e-40]])
+    q, scale = int8_activations(x)
+    assert scale.item() == 0.0 and q.tolist() == [[127, 0, -127]]
