@@ -1,42 +1,39 @@
-"""The arm-bench stage end to end on tiny shapes: records, report and chart are written."""
+"""The kernel benchmark library (pipeline.bench) on tiny shapes: records, metrics, report and chart."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
-from pathlib import Path
-
 import pytest
 
-
-def load_stage():
-    spec = importlib.util.spec_from_file_location("arm_bench", Path(__file__).parents[1] / "stages" / "arm_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module           # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from pipeline import native
+from pipeline.bench import BenchParams
+from pipeline.bench.kernels import check_params, metrics, parse_shape, run
+from pipeline.bench.report import chart, markdown
 
 
-def test_arm_bench_writes_records_report_and_chart(tmp_path):
-    stage = load_stage()
-    params = stage.BenchParams(shapes=["1x64x30", "20x40x9"], threads=[1], repeats=2, budget_s=0.5, rotate_mb=1)
-    stage.run(params, tmp_path / "bench.json")
-    result = json.loads((tmp_path / "bench.json").read_text())
-    records = result["records"]
-    keys = {"op", "m", "k", "n", "format", "impl", "variant", "threads", "gmacs", "weight_gbps"}
-    assert all(keys <= set(r) for r in records)
-    impls = {(r["m"], r["format"], r["impl"]) for r in records}
-    assert (1, "s3d8", "library") in impls and (1, "read", "memory read (bandwidth probe)") in impls
-    assert (20, "s3d8", "library path=tiled") in impls and (20, "s3d8", "library decode only") in impls
-    assert {r["variant"] for r in records if r["impl"] == "library"} == {result["machine"]["variant"]}
+def test_records_metrics_report_and_chart(tmp_path):
+    p = BenchParams(shapes=["1x64x30", "20x40x9"], threads=[1], repeats=2, budget_s=0.2, rotate_mb=1)
+    records, machine = run(p, log=lambda line: None)
+    keys = {(r["m"], r["key"]) for r in records}
+    assert (1, "s3d8") in keys and (1, "read") in keys and (1, "bf16") in keys
+    assert (20, "s3d8_tiled") in keys and (20, "s3d8_decode") in keys and (20, "int8_int_mm") in keys
+    assert {r["timing"] for r in records if r["m"] == 1} == {"sweep"}      # generate shapes stream like a decode
+    assert {r["timing"] for r in records if r["m"] == 20} == {"call"}
+    assert {r["variant"] for r in records if r["impl"] == "library"} == {machine["variant"]}
+    result = metrics(records)
     assert "m20_k40_n9_s3d8_over_best_int8_1t" in result["summary"]
-    report = (tmp_path / "bench.md").read_text()
+    assert result["gmacs"]["1x64x30"]["1t"].keys() >= {"s3d8", "int8", "int8_int_mm", "int8_fbgemm", "bf16"}
+    report = markdown(records, result["summary"], machine, p)
     assert "## Targets" in report and "Pixel 8a" in report
+    chart(records, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_arm_bench_rejects_bad_shapes():
-    stage = load_stage()
+def test_params_are_checked():
     with pytest.raises(ValueError, match="MxKxN"):
-        stage.parse_shape("4096x14336")
+        parse_shape("4096x14336")
+    with pytest.raises(ValueError, match="bench.variant") as e:
+        check_params(BenchParams(variant="nope"))
+    assert all(v in str(e.value) for v in native.available_variants())
+    with pytest.raises(ValueError, match="bench.threads"):
+        check_params(BenchParams(threads=[0]))
+    assert check_params(BenchParams(shapes=["1x2x3"])) == [(1, 2, 3)]

@@ -1,0 +1,64 @@
+"""The arm-bench stage as a user runs it: --help, and a tiny shape end to end (metrics are numbers only)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+STAGE = REPO / "stages" / "arm_bench.py"
+
+
+def run_stage(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(STAGE), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def leaves(obj, path=""):
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from leaves(value, f"{path}.{key}" if path else key)
+    else:
+        yield path, obj
+
+
+def test_help_prints_usage_and_runs_nothing(tmp_path):
+    result = run_stage("--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--shapes" in result.stdout and "--threads" in result.stdout and "--out" in result.stdout
+    assert not any(tmp_path.iterdir())
+
+
+def test_tiny_shape_writes_numeric_metrics_and_provenance(tmp_path):
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    doc["bench"].update(repeats=2, budget_s=0.2, rotate_mb=1)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    result = run_stage("--params", str(tmp_path / "params.yaml"), "--shapes", "1x64x96,20x40x9", "--threads", "1",
+                       "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+    metrics = json.loads((out / "bench.json").read_text())
+    assert set(metrics) == {"summary", "gmacs", "s3d8_over_int8", "bandwidth_gbps"}
+    values = dict(leaves(metrics))
+    bad = {k: v for k, v in values.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+    assert not bad, f"non-numeric metrics: {bad}"
+    assert values["gmacs.1x64x96.1t.s3d8"] > 0 and values["gmacs.1x64x96.1t.int8"] > 0
+    assert values["s3d8_over_int8.1x64x96.1t.library"] > 0
+    assert values["bandwidth_gbps.1x64x96.1t.read"] > 0
+    assert "gmacs.20x40x9.1t.s3d8_tiled" in values and "bandwidth_gbps.20x40x9.1t.s3d8_decode" in values
+    assert "summary.m20_k40_n9_s3d8_over_best_int8_1t" in values
+    assert not any(word in key for key in values for word in ("commit", "version", "load", "ms", "variant"))
+
+    machine = json.loads((out / "bench_machine.json").read_text())
+    assert machine["params"]["shapes"] == ["1x64x96", "20x40x9"] and machine["params"]["rotate_mb"] == 1
+    assert machine["machine"]["variant"] in machine["machine"]["variants"]
+    assert {"load_average_start", "load_average_end", "omp_wait_policy"} <= set(machine["machine"])
+    assert machine["torch"] and machine["pipeline"]
+    report = (out / "bench.md").read_text()
+    assert "## Targets" in report and "Pixel 8a" in report and machine["machine"]["variant"] in report
+    assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
