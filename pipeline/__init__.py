@@ -1,3 +1,46 @@
-"""S3D8 pipeline: formats, quantised modules, data, models, evaluation, packed-file IO, native bindings."""
+"""S3D8 pipeline: formats, quantised modules, data, models, evaluation, packed-file IO, native bindings.
+
+Importing ``pipeline`` registers the packed formats with transformers (``pipeline/hf.py``), so that
+``AutoModelForImageTextToText.from_pretrained`` loads a packed model directory. The registration runs when
+transformers itself is imported (at once if it already is), so that ``import pipeline`` stays cheap for the
+tools that never load a model.
+"""
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
+
+
+def _register_with_transformers() -> None:
+    # importlib, not an import statement: the registration changes no stage's result, so it stays out of the
+    # DVC dependency graph that pipeline/depgraph.py reads from import statements.
+    importlib.import_module("pipeline.hf")          # registers itself at the end of its import
+
+
+class _AfterTransformersImport(importlib.abc.MetaPathFinder):
+    """Runs the registration right after ``transformers`` is first imported (once)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "transformers":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register_with_transformers()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if "transformers" in sys.modules:
+    _register_with_transformers()
+elif not any(isinstance(f, _AfterTransformersImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterTransformersImport())

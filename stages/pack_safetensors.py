@@ -1,12 +1,14 @@
-"""DVC stage pack-safetensors: pack one format's direct-cast and QAT models into deployable files.
+"""DVC stage pack-safetensors: pack one format's direct-cast and QAT models into Hugging Face model directories.
 
     python stages/pack_safetensors.py --format s3d8
 
-``models/packed/<format>/direct-cast.safetensors`` (the teacher's weights cast straight to the format)
-and ``models/packed/<format>/qat.safetensors`` (the QAT student's fp32 masters), laid out as SPEC
-section 7 (S3D8: readable by the Llama-Mobile reference loader) or our documented scalar layout.
-Streams tensor by tensor; S3D8 uses the native encoder. Sizes and bits per parameter go to
-``reports/pack/<format>.json``.
+``models/packed/<format>/direct-cast/`` (the teacher's weights cast straight to the format) and
+``models/packed/<format>/qat/`` (the QAT student's fp32 masters), each a Hugging Face directory
+(``pipeline/hf.py``): ``config.json`` with a ``quantization_config``, the processor files,
+``generation_config.json``, a model card and ``model.safetensors`` laid out as SPEC section 7 (S3D8:
+readable by the Llama-Mobile reference loader) or our documented scalar layout, sharded with an index above
+``pipeline.hf.MAX_SHARD_SIZE``. Streams tensor by tensor; S3D8 uses the native encoder. Sizes and bits per
+parameter go to ``reports/pack/<format>.json``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from dataclasses import asdict
 from pipeline import formats, params
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import check_states
+from pipeline.hf import write_model_dir
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
-from pipeline.packed import PackParams, write_packed
+from pipeline.packed import PackParams
 from pipeline.stage import console, progress, stage_errors, versions
 from pipeline.teacher import TeacherParams, local_dir
 
@@ -36,18 +39,21 @@ def main(argv: list[str] | None = None) -> None:
         state_file = f"data/centroids/{fmt.name}.safetensors"
         states = check_states(fmt, fmt.load_states(state_file), state_file)
         config = load_config(teacher.source).to_dict()
+        teacher_dir = local_dir(teacher.source)
         report = {}
         with atomic_dir(f"models/packed/{fmt.name}") as out:
-            for method, source in (("direct-cast", local_dir(teacher.source)), ("qat", f"models/qat/{fmt.name}")):
-                path = out / f"{method}.safetensors"
+            for method, source in (("direct-cast", teacher_dir), ("qat", f"models/qat/{fmt.name}")):
                 with progress() as bar:
                     task = bar.add_task(f"pack {fmt.name} {method}", total=len(states))
-                    summary = write_packed(path, CheckpointReader(source), fmt, states, dtype=dtype_of(p.dtype),
-                                           metadata={"config": config, "method": method, "source_model": teacher.source,
-                                                     "teacher": teacher.name, "pack_params": asdict(p), **versions()},
-                                           progress=lambda name: bar.advance(task))
+                    summary = write_model_dir(out / method, CheckpointReader(source), fmt, states,
+                                              teacher_dir=teacher_dir, method=method, base_model=teacher.source,
+                                              teacher_name=teacher.name, dtype=dtype_of(p.dtype),
+                                              metadata={"config": config, "method": method,
+                                                        "source_model": teacher.source, "teacher": teacher.name,
+                                                        "pack_params": asdict(p), **versions()},
+                                              progress=lambda name: bar.advance(task))
                 report[method] = {"size_mb": summary["file_bytes"] / 1e6,
-                                  **{k: v for k, v in summary.items() if k != "format"}}
+                                  **{k: v for k, v in summary.items() if k not in ("format", "files")}}
                 console.print(f"[green]pack-safetensors[/] {fmt.name} {method}: {report[method]['size_mb']:.2f} MB, "
                               f"{summary['bits_per_param_nominal']:.3f} bits/param nominal, "
                               f"{summary['bits_per_param_actual']:.3f} actual")

@@ -62,7 +62,7 @@ def test_dvc_repro_ci_preset(tmp_path):
             pack = json.loads((work / f"reports/pack/{m['format']}.json").read_text())[m["method"]]
             assert m["bpp"] == pytest.approx(pack["bits_per_param_nominal"])
             assert m["size_mb"] == pytest.approx(pack["file_bytes"] / 1e6)
-            assert (work / f"models/packed/{m['format']}/{m['method']}.safetensors").exists()
+            assert (work / f"models/packed/{m['format']}/{m['method']}/model.safetensors").exists()
     bench = json.loads((work / "reports/bench.json").read_text())
     assert bench and (work / "reports/bench.md").exists() and (work / "reports/summary.md").exists()
     status = _run([str(BIN / "dvc"), "status"], work)

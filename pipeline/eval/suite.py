@@ -40,7 +40,8 @@ class EvalParams:
 
 
 def packed_path(fmt: str, method: str, root: str | Path = "models/packed") -> Path:
-    return Path(root) / fmt / f"{method}.safetensors"
+    """The packed weights pack-safetensors writes into the model directory ``<root>/<fmt>/<method>/``."""
+    return Path(root) / fmt / method / "model.safetensors"
 
 
 def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int, teacher_data: str,
