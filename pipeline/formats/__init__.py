@@ -52,7 +52,17 @@ def by_layout(layout: str) -> list[FormatBase]:
     return [f for f in _FORMATS.values() if f.layout == layout]
 
 
-__all__ = ["Format", "FormatBase", "State", "get", "names", "comparison", "packable", "QUANTISED"]
+def direct_cast(name: str, weight, *, method: str | None = None, importance=None, hessian=None, seed: int = 0):
+    """The decoded ``float32`` weight a packer writes for format ``name`` cast by the post-training
+    ``method`` (``"absmax"``, ``"search"``, ``"gptq"``; None: ``pipeline.ptq.DEFAULT_METHOD``), bit for bit.
+    ``importance`` (``diag(X^T X)`` per input channel) or ``hessian`` (``X^T X``) weight the error; see
+    ``pipeline.ptq``. ``get(name).quantize`` stays the QAT forward (absmax)."""
+    from pipeline import ptq
+
+    return ptq.direct_cast(name, weight, method=method, importance=importance, hessian=hessian, seed=seed)
+
+
+__all__ = ["Format", "FormatBase", "State", "get", "names", "comparison", "packable", "QUANTISED", "direct_cast"]
 
 
 def check_names(value) -> list[str]:

@@ -117,6 +117,67 @@ def encode(weight: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, tor
     return packed, scale
 
 
+SMALLEST_SCALE = 2.0 ** -126
+"""The smallest normal bf16: the scale a searched all-zero row gets (SPEC section 1), so it decodes to ~0."""
+
+
+def check_scale(scale: torch.Tensor, d_out: int) -> torch.Tensor:
+    """Validate channel scales for :func:`encode_with_scale`: ``d_out`` finite values > 0, returned as
+    bf16 ``[d_out, 1]`` (a float scale is rounded to bf16 once, nearest even; it must stay > 0)."""
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        raise ValueError(f"scale: expected a floating-point tensor, got "
+                         f"{scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    if scale.numel() != d_out:
+        raise ValueError(f"scale: expected {d_out} channel scales, got shape {list(scale.shape)}")
+    s = scale.detach().reshape(d_out, 1).to(torch.bfloat16)
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError(f"scale: contains NaN or Inf (first at row {int((~torch.isfinite(s)).nonzero()[0, 0])})")
+    if bool((s <= 0).any()):
+        raise ValueError(f"scale: must be > 0 after rounding to bf16 (row {int((s <= 0).nonzero()[0, 0])} "
+                         f"is {float(s[(s <= 0)][0])})")
+    return s
+
+
+def pack_codes(q: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Bytes from centroid indices ``q [G, K]`` and sign selectors ``signs [G, K, 3]`` (True: negative)."""
+    s = signs.to(torch.int64)
+    byte = (q.to(torch.int64) << 1) | s[..., 0] | (s[..., 1] << 6) | ((s[..., 0] ^ s[..., 2]) << 7)
+    return byte.to(torch.uint8)
+
+
+def encode_with_scale(weight: torch.Tensor, table: torch.Tensor,
+                      scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` with given channel scales (a searched, clipping scale) instead of absmax/127.
+
+    Codes are the nearest centroid (same float arithmetic as :func:`encode`) of ``|W / scale|``; values
+    beyond 127 (a clipping scale) are not clamped first: the nearest centroid of the unclamped vector is
+    the one with the smallest reconstruction error. ``encode_with_scale(w, t, channel_scale(w))`` equals
+    ``encode(w, t)`` bit for bit. Returns ``(packed, scale bf16 [d_out, 1])``."""
+    check_weight(weight)
+    table = check_table(table)
+    scale = check_scale(scale, weight.shape[0]).to(weight.device)
+    packed = torch.empty(packed_shape(weight.shape), dtype=torch.uint8, device=weight.device)
+    for g0, q, signs in _iter_assign(weight, table, scale):
+        packed[g0:g0 + q.shape[0]] = pack_codes(q, signs)
+    return packed, scale
+
+
+def quantize_with_scale(weight: torch.Tensor, table: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``decode(*encode_with_scale(weight, table, scale), table, shape)`` as float32, bit for bit, computed
+    without packing (no straight-through gradient: a post-training tool)."""
+    check_weight(weight)
+    table = check_table(table)
+    scale = check_scale(scale, weight.shape[0]).to(weight.device)
+    d_out, d_in = weight.shape
+    t = table.float().to(weight.device)
+    n_groups, d_in_padded = packed_shape(weight.shape)
+    out = torch.empty(n_groups, GROUP, d_in_padded, dtype=torch.float32, device=weight.device)
+    for g0, q, signs in _iter_assign(weight, table, scale):
+        mag = t[q]      # a zero magnitude stays +0.0, as the int8 decode gives it
+        out[g0:g0 + q.shape[0]] = torch.where(signs & (mag != 0), -mag, mag).transpose(1, 2)
+    return out.view(-1, d_in_padded)[:d_out, :d_in] * scale.float()
+
+
 def signed_luts(table: torch.Tensor) -> torch.Tensor:
     """The three permuted signed lookup tables ``int8 [3, 64]`` of SPEC section 1.
 

@@ -1,0 +1,205 @@
+"""Post-training methods (pipeline/ptq.py): bit-exact casts, scale search, importance, GPTQ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline import formats, ptq
+from pipeline.formats import s3d8, scalar
+from pipeline.quant import channel_scale
+
+
+def heavy(d_out: int, d_in: int, seed: int, dof: float = 3.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(d_out, d_in, generator=gen)
+    chi = torch.randn(d_out, d_in, int(dof), generator=gen).pow(2).mean(-1)     # Student-t: z / sqrt(chi2/dof)
+    rows = torch.rand(d_out, 1, generator=gen) * 2 + 0.25                        # rows of different spread
+    return (g / chi.sqrt() * rows * 0.02).float()
+
+
+def correlated_inputs(n: int, d_in: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d_in, d_in, generator=gen) / d_in ** 0.5 + torch.eye(d_in)
+    gains = torch.rand(d_in, generator=gen) * 3 + 0.1
+    return (torch.randn(n, d_in, generator=gen) @ mix) * gains
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous().view(torch.int32)
+
+
+def rel(w, q, h=None):
+    h = torch.ones(w.shape[1]) if h is None else h
+    return float(((w - q) ** 2 * h).sum() / (w ** 2 * h).sum())
+
+
+W = heavy(47, 40, seed=1)                    # d_out not a multiple of 3, d_in not of 16
+X = correlated_inputs(400, 40, seed=2)
+H = X.T @ X / X.shape[0]
+
+
+# --- bit-exactness ----------------------------------------------------------------------------------
+
+def test_encode_with_absmax_scale_equals_encode():
+    table = s3d8.fit_centroids(W)
+    packed, scale = s3d8.encode(W, table)
+    packed2, scale2 = s3d8.encode_with_scale(W, table, channel_scale(W))
+    assert torch.equal(packed, packed2) and torch.equal(scale, scale2)
+    assert torch.equal(bits(s3d8.quantize_with_scale(W, table, scale)), bits(s3d8.quantize(W, table, use_native=False)))
+
+
+@pytest.mark.parametrize("method", ["search", "gptq"])
+def test_s3d8_cast_is_its_packed_bytes_bit_for_bit(method):
+    kw = {"hessian": H} if method == "gptq" else {}
+    t = ptq.pack("s3d8", W, method=method, **kw)
+    decoded = s3d8.decode(t["packed"], t["scale"], t["table"], W.shape)
+    assert torch.equal(bits(formats.direct_cast("s3d8", W, method=method, **kw)), bits(decoded))
+    if method == "search":  # the bytes are the nearest-centroid codes for the searched scale
+        packed, _ = s3d8.encode_with_scale(W, t["table"], t["scale"])
+        assert torch.equal(packed.reshape(-1), t["packed"])
+        assert torch.equal(bits(s3d8.quantize_with_scale(W, t["table"], t["scale"])), bits(decoded))
+
+
+def test_absmax_cast_equals_the_qat_forward():
+    for name in formats.QUANTISED:
+        fmt = formats.get(name)
+        q = formats.direct_cast(name, W, method="absmax")
+        assert torch.equal(q, fmt.quantize(W, fmt.fit(W))), name
+
+
+@pytest.mark.parametrize("name", ["int", "student_t", "lloyd_max"])
+@pytest.mark.parametrize("method", ["search", "gptq"])
+def test_scalar_cast_is_its_packed_bytes_bit_for_bit(name, method):
+    fmt = formats.get(name)
+    kw = {"hessian": H} if method == "gptq" else {}
+    t = ptq.pack(name, W, method=method, **kw)
+    decoded = scalar.decode(t["codes"], t["scale"], t["codepoints"], fmt.block, W.shape)
+    assert torch.equal(bits(formats.direct_cast(name, W, method=method, **kw)), bits(decoded))
+    assert set(t) == set(fmt.packed_specs(W.shape, {}))
+    for key, (dtype, shape) in fmt.packed_specs(W.shape, {}).items():
+        assert t[key].dtype == dtype and tuple(t[key].shape) == shape, key
+
+
+def test_scalar_codes_with_absmax_scale_equal_encode():
+    fmt = formats.get("int")
+    cp = fmt.fit(W)["codepoints"]
+    codes, scale = scalar.encode(W, cp, fmt.block, fmt.qmax)
+    ours = ptq.scalar_pack_codes(ptq.scalar_codes(scalar.blocked(W, fmt.block), cp, scale), *W.shape)
+    assert torch.equal(codes, ours)
+
+
+# --- the search is never worse than absmax --------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_search_never_worse_than_absmax(seed):
+    w = heavy(31 + seed, 48, seed=10 + seed, dof=2.0 + seed)
+    imp = torch.rand(48, generator=torch.Generator().manual_seed(seed)) * 4
+    for name in formats.QUANTISED:
+        base = formats.direct_cast(name, w, method="absmax")
+        assert rel(w, formats.direct_cast(name, w, method="search")) <= rel(w, base) + 1e-12, name
+        assert rel(w, formats.direct_cast(name, w, method="search", importance=imp), imp) <= rel(w, base, imp) + 1e-12
+
+
+def test_search_helps_s3d8_on_heavy_tails():
+    w = heavy(60, 96, seed=5, dof=2.0)
+    assert rel(w, formats.direct_cast("s3d8", w, method="search")) < 0.97 * rel(w, formats.direct_cast("s3d8", w, method="absmax"))
+
+
+# --- edge cases -------------------------------------------------------------------------------------
+
+def test_zero_and_constant_rows():
+    w = heavy(12, 32, seed=3)
+    w[2] = 0                       # an all-zero row inside a byte group
+    w[6:9] = 0                     # a whole all-zero group
+    w[10] = 0.5                    # a constant row
+    w[11] = -0.25
+    for method in ("search", "gptq"):
+        t = ptq.pack("s3d8", w, method=method, hessian=H[:32, :32] if method == "gptq" else None)
+        q = s3d8.decode(t["packed"], t["scale"], t["table"], w.shape)
+        assert torch.isfinite(q).all() and bool((t["scale"].float() > 0).all())
+        assert q[[2, 6, 7, 8]].abs().max() < 1e-30, method
+        assert torch.allclose(q[10], w[10], rtol=0.02) and torch.allclose(q[11], w[11], rtol=0.02)
+    for name in formats.QUANTISED:
+        zero = torch.zeros(5, 20)
+        for method in ("absmax", "search"):
+            q = formats.direct_cast(name, zero, method=method)
+            assert torch.isfinite(q).all() and (q.abs() < 1e-30).all() or method == "absmax", (name, method)
+
+
+def test_nan_is_rejected_naming_the_argument():
+    bad = W.clone()
+    bad[3, 4] = float("nan")
+    with pytest.raises(ValueError, match="weight"):
+        formats.direct_cast("s3d8", bad, method="search")
+    imp = torch.ones(W.shape[1])
+    imp[1] = float("nan")
+    with pytest.raises(ValueError, match="importance"):
+        formats.direct_cast("s3d8", W, method="search", importance=imp)
+    h = H.clone()
+    h[0, 1] = h[1, 0] = float("inf")
+    with pytest.raises(ValueError, match="hessian"):
+        formats.direct_cast("s3d8", W, method="gptq", hessian=h)
+    scale = channel_scale(W).clone()
+    scale[0] = float("nan")
+    with pytest.raises(ValueError, match="scale"):
+        s3d8.encode_with_scale(W, s3d8.fit_centroids(W), scale)
+    with pytest.raises(ValueError, match="scale"):
+        s3d8.encode_with_scale(W, s3d8.fit_centroids(W), torch.zeros(W.shape[0], 1))
+    with pytest.raises(ValueError, match="importance"):
+        formats.direct_cast("int", W, importance=-torch.ones(W.shape[1]))
+    with pytest.raises(ValueError, match="method"):
+        formats.direct_cast("s3d8", W, method="awq")
+
+
+def test_deterministic_for_a_seed():
+    for name in ("s3d8", "lloyd_max"):
+        a = ptq.pack(name, W, method="search", seed=3)
+        b = ptq.pack(name, W, method="search", seed=3)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    a, b = (formats.direct_cast("s3d8", W, method="gptq", hessian=H) for _ in range(2))
+    assert torch.equal(a, b)
+
+
+# --- GPTQ -------------------------------------------------------------------------------------------
+
+def output_error(w, q, x):
+    return float(((w - q) @ x.T).pow(2).sum() / (w @ x.T).pow(2).sum())
+
+
+def test_gptq_lowers_the_output_error():
+    w = heavy(48, 64, seed=7)
+    x, held_out = correlated_inputs(2000, 64, seed=8).split(1000)     # calibration and held-out tokens
+    h = x.T @ x / x.shape[0]
+    for name in ("s3d8", "int"):
+        direct = output_error(w, formats.direct_cast(name, w, method="absmax"), held_out)
+        search = output_error(w, formats.direct_cast(name, w, method="search", importance=h.diagonal()), held_out)
+        gptq = output_error(w, formats.direct_cast(name, w, method="gptq", hessian=h), held_out)
+        assert gptq < 0.8 * direct and gptq < search, (name, direct, search, gptq)
+
+
+def test_gptq_with_the_diagonal_only_is_the_weighted_search():
+    imp = H.diagonal().clone()
+    assert torch.equal(formats.direct_cast("s3d8", W, method="gptq", importance=imp),
+                       formats.direct_cast("s3d8", W, method="search", importance=imp))
+
+
+# --- calibration ------------------------------------------------------------------------------------
+
+def test_collect_importance_and_hessians_on_a_tiny_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    batches = [torch.randn(4, 2, 6), torch.randn(3, 6)]
+    imp = ptq.collect_importance(model, batches)
+    hess = ptq.collect_hessians(model, batches)
+    x0 = torch.cat([b.reshape(-1, 6) for b in batches]).double()
+    x1 = torch.relu(model[0](x0.float())).double()
+    assert set(imp) == {"0", "2"} and imp["0"].dtype == torch.float32
+    assert torch.allclose(imp["0"].double(), (x0 ** 2).mean(0), rtol=1e-6)
+    assert torch.allclose(imp["2"].double(), (x1 ** 2).mean(0), rtol=1e-5)
+    assert torch.allclose(hess["0"].double(), x0.T @ x0 / x0.shape[0], rtol=1e-6)
+    assert torch.allclose(hess["2"].diagonal(), imp["2"])
+    assert not model[0]._forward_pre_hooks                   # hooks removed
+    assert set(ptq.collect_importance(model, [{"input": batches[1]}], names=["2"])) == {"2"}
+    with pytest.raises(ValueError, match="names"):
+        ptq.collect_importance(model, batches, names=["1"])
