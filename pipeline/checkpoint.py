@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,35 +29,81 @@ _DTYPES = {
     torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
     torch.bool: "BOOL",
 }
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+
+def check_regular_file(path: str | os.PathLike, what: str = "file") -> Path:
+    """``path`` as a Path if it is a regular file; otherwise a ``FileNotFoundError`` (nothing there) or
+    a ``ValueError`` (a directory, FIFO, socket, device...) naming it. Uses ``os.stat`` only, so a FIFO
+    is refused without being opened (opening one blocks until a writer appears)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: {what} not found") from None
+    except OSError as e:
+        raise ValueError(f"{path}: {what} cannot be examined ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (FIFO, socket or device)"
+        raise ValueError(f"{path}: {what} is {kind}")
+    return path
 
 
 class CheckpointReader:
-    """Lazy access to the tensors of a model directory or a single ``.safetensors`` file."""
+    """Lazy access to the tensors of a model directory or a single ``.safetensors`` file.
+
+    Anything that is not a readable safetensors file (a missing path, a directory without
+    ``model.safetensors``, a FIFO or device, a truncated file, a corrupt header or index) is refused
+    when the reader is made, with one ``FileNotFoundError`` / ``ValueError`` naming the file."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         path = Path(path)
-        if path.is_dir():
+        try:
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: checkpoint not found") from None
+        except OSError as e:
+            raise ValueError(f"{path}: checkpoint cannot be examined ({e.strerror or e})") from None
+        files = None
+        if is_dir:
             index = path / "model.safetensors.index.json"
             single = path / "model.safetensors"
-            if index.exists():
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = {name: path / shard for name, shard in weight_map.items()}
-            elif single.exists():
-                files = None
+            if os.path.lexists(index):
+                files = self._read_index(path, check_regular_file(index, "checkpoint index"))
+            elif os.path.lexists(single):
                 path = single
             else:
                 raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        elif not path.exists():
-            raise FileNotFoundError(f"{path}: checkpoint not found")
-        else:
-            files = None
         self.path = path
         self._handles: dict[Path, object] = {}
         if files is None:
-            handle = self._open(path)
+            handle = self._open(check_regular_file(path, "checkpoint"))
             self._files = {name: path for name in handle.keys()}
         else:
+            for shard in sorted(set(files.values())):
+                have = set(self._open(check_regular_file(shard, "checkpoint shard")).keys())
+                lacking = sorted(n for n, f in files.items() if f == shard and n not in have)
+                if lacking:
+                    raise ValueError(f"{shard}: the index lists tensors this shard lacks, e.g. {lacking[:3]}")
             self._files = files
+
+    @staticmethod
+    def _read_index(directory: Path, index: Path) -> dict[str, Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index}: not a checkpoint index (no readable 'weight_map': {type(e).__name__})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        root = directory.resolve()
+        files = {}
+        for name, shard in weight_map.items():
+            file = directory / shard
+            if not file.resolve().is_relative_to(root):
+                raise ValueError(f"{index}: tensor {name!r} points outside the checkpoint directory ({shard!r})")
+            files[name] = file
+        return files
 
     def _open(self, file: Path):
         if file not in self._handles:
@@ -82,6 +129,23 @@ class CheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._files[name]).get_slice(name).get_shape())
+
+    def dtype_name(self, name: str) -> str:
+        """The tensor's dtype as its header spells it (``"BF16"``, ``"U8"`` ...), read without loading it."""
+        return str(self._open(self._files[name]).get_slice(name).get_dtype())
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The tensor's torch dtype from its header (None for a dtype this project never writes)."""
+        return _TORCH_DTYPES.get(self.dtype_name(name))
+
+    def nbytes(self, name: str) -> int:
+        """Bytes the tensor takes, from its header."""
+        dtype = self.dtype(name)
+        size = torch.empty(0, dtype=dtype).element_size() if dtype is not None else 1
+        return int(torch.Size(self.shape(name)).numel()) * size
+
+    def file_of(self, name: str) -> Path:
+        return self._files[name]
 
     def metadata(self) -> dict[str, str]:
         first = next(iter(self._files.values()), None)

@@ -84,8 +84,53 @@ def _hf_dataset(dataset: str, split: str):
                                 f"reachable from here or a local directory / Parquet file") from None
 
 
-def load_image(ref: str) -> Image.Image:
-    """The RGB image behind a reference produced by :func:`image_refs`."""
+def check_in_pool(ref: str, pool: str) -> None:
+    """A ``ValueError`` unless the reference ``ref`` names an image of the pool ``pool`` (a spec string as
+    :func:`image_refs` takes): a generated pool's own kind; for ``folder:PATH`` a ``file:`` reference
+    whose real path (symlinks and ``..`` resolved) lies under the folder; for ``hf:DATASET[:SPLIT...]``
+    an ``hf:`` reference to the same data set and split."""
+    if not isinstance(ref, str):
+        raise ValueError(f"image reference {ref!r}: expected a string")
+    kind, _, rest = ref.partition(":")
+    pool_kind, _, pool_rest = pool.partition(":")
+    if pool_kind in _GENERATED and not pool_rest:
+        if kind != pool_kind:
+            raise ValueError(f"image reference {ref[:200]!r} is outside the image pool {pool!r}")
+        return
+    if pool_kind == "folder":
+        if kind != "file":
+            raise ValueError(f"image reference {ref[:200]!r} is outside the image pool {pool!r} (expected file:PATH)")
+        root = Path(pool_rest).resolve()
+        target = Path(rest).resolve()
+        if not target.is_relative_to(root):
+            raise ValueError(f"image reference {ref[:200]!r} resolves to {target}, outside the image pool folder {root}")
+        return
+    if pool_kind == "hf":
+        dataset, split, _ = _hf_parts(pool_rest)
+        ref_dataset, ref_split, _, _ = _hf_ref_parts(ref)
+        if (ref_dataset, ref_split) != (dataset, split):
+            raise ValueError(f"image reference {ref[:200]!r} is outside the image pool {pool!r} "
+                             f"(data set {dataset!r}, split {split!r})")
+        return
+    raise ValueError(f"image pool {pool!r}: expected one of {sorted(_GENERATED)}, 'folder:PATH' or "
+                     f"'hf:DATASET[:SPLIT[:COLUMN]]'")
+
+
+def _hf_ref_parts(ref: str) -> tuple[str, str, str, int]:
+    parts = ref.partition(":")[2].rsplit(":", 3)
+    if len(parts) != 4 or not parts[0] or not parts[3].isdigit():
+        raise ValueError(f"image reference {ref[:200]!r}: expected hf:DATASET:SPLIT:COLUMN:INDEX")
+    return parts[0], parts[1], parts[2], int(parts[3])
+
+
+def load_image(ref: str, pool: str | None = None) -> Image.Image:
+    """The RGB image behind a reference produced by :func:`image_refs`. With ``pool`` (the spec of the
+    pool the reference was drawn from) a reference outside that pool is a ``ValueError``
+    (:func:`check_in_pool`); without it any reference is followed."""
+    if pool is not None:
+        check_in_pool(ref, pool)
+    if not isinstance(ref, str):
+        raise ValueError(f"image reference {ref!r}: expected a string")
     kind, _, rest = ref.partition(":")
     if kind in _GENERATED:
         try:
@@ -100,8 +145,11 @@ def load_image(ref: str) -> Image.Image:
         except (OSError, ValueError) as e:
             raise ValueError(f"image {rest}: cannot be read ({e})") from None
     if kind == "hf":
-        dataset, split, column, index = rest.rsplit(":", 3)
-        row = _hf_dataset(dataset, split)[int(index)]
+        dataset, split, column, index = _hf_ref_parts(ref)
+        data = _hf_dataset(dataset, split)
+        if index >= len(data):
+            raise ValueError(f"image reference {ref!r}: index {index} past the end of the data set ({len(data)} rows)")
+        row = data[index]
         if column not in row:
             raise ValueError(f"image pool 'hf:{dataset}': no column {column!r} (columns: {sorted(row)})")
         return row[column].convert("RGB")

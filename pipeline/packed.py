@@ -11,6 +11,7 @@ the model config, source and creation parameters.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import formats
+from pipeline.checkpoint import _DTYPES as _DTYPE_NAMES
 from pipeline.checkpoint import CheckpointReader, StreamingWriter, module_to_checkpoint_names
 from pipeline.formats import FormatBase
+from pipeline.formats import s3d8 as s3d8_format
+from pipeline.formats import scalar as scalar_format
+from pipeline.formats.base import ceil_div, round_up
 from pipeline.quant import fake_quant_activations
 from pipeline.recipe import Quantised, quantised_modules, replace
 
@@ -114,7 +119,119 @@ class PackedEmbedding(Quantised):
         return F.embedding(ids, self.weight, self.padding_idx)
 
 
+_ROW_BLOCK_ELEMS = 1 << 20      # weights decoded at a time when validating or gathering embedding rows
+
+
+def _row_block(fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int], r0: int,
+               r1: int) -> tuple[dict[str, torch.Tensor], tuple[int, int]] | None:
+    """The packed tensors of rows ``r0 .. r1`` (``r0`` a multiple of 3) of a weight, as a weight of its
+    own: decoding them gives exactly those rows of the whole decoded weight (both layouts decode
+    element by element). None for a layout this function does not know (the caller decodes all)."""
+    d_out, d_in = shape
+    if fmt.layout == s3d8_format.LAYOUT:
+        cols = round_up(d_in, s3d8_format.COL_ALIGN)
+        g0, g1 = r0 // s3d8_format.GROUP, ceil_div(r1, s3d8_format.GROUP)
+        return ({"packed": tensors["packed"].reshape(-1)[g0 * cols:g1 * cols], "scale": tensors["scale"][r0:r1],
+                 "table": tensors["table"]}, (r1 - r0, d_in))
+    if fmt.layout == scalar_format.LAYOUT:
+        b0 = r0 * d_in // 3
+        return ({"codes": tensors["codes"].reshape(-1)[b0:b0 + ceil_div((r1 - r0) * d_in, 3)],
+                 "scale": tensors["scale"][r0:r1], "codepoints": tensors["codepoints"]}, (r1 - r0, d_in))
+    return None
+
+
+def _block_rows(shape: tuple[int, int]) -> int:
+    return max(3, _ROW_BLOCK_ELEMS // max(shape[1], 1) // 3 * 3)
+
+
+def _validate_blockwise(fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
+    """Decode the weight block by block and drop it: the format's own checks run on every byte,
+    with memory bounded by one block."""
+    rows = _block_rows(shape)
+    if _row_block(fmt, tensors, shape, 0, min(rows, shape[0])) is None:
+        fmt.unpack(tensors, shape)
+        return
+    for r0 in range(0, shape[0], rows):
+        part, part_shape = _row_block(fmt, tensors, shape, r0, min(r0 + rows, shape[0]))
+        fmt.unpack(part, part_shape)
+
+
+class _LazyPacked(Quantised):
+    """Holds a weight's packed tensors (buffers ``weight_<suffix>``) and decodes on demand, with the
+    format's own ``unpack``: the numbers equal the eagerly decoded weight's bit for bit."""
+
+    def _setup(self, fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+               dtype: torch.dtype) -> None:
+        self.format = fmt
+        self.shape = tuple(shape)
+        self.weight_dtype = dtype
+        for suffix in fmt.suffixes:
+            self.register_buffer(f"weight_{suffix}", tensors[suffix])
+
+    @property
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        return {s: getattr(self, f"weight_{s}") for s in self.format.suffixes}
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole decoded weight (built on every access: the module keeps only the packed bytes)."""
+        return self.format.unpack(self.packed_tensors, self.shape).to(self.weight_dtype)
+
+    def extra_repr(self) -> str:
+        return f"format={self.format.name}, shape={list(self.shape)}, decode=lazy"
+
+
+class LazyPackedLinear(_LazyPacked):
+    """:class:`PackedLinear` that keeps the packed tensors and decodes the weight in each forward."""
+
+    def __init__(self, fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                 bias: torch.Tensor | None, act_quant: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._setup(fmt, tensors, shape, dtype)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.act_quant = act_quant
+        self.out_features, self.in_features = self.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant:
+            x = fake_quant_activations(x)
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+class LazyPackedEmbedding(_LazyPacked):
+    """:class:`PackedEmbedding` that keeps the packed tensors and decodes only the rows a forward looks
+    up (in blocks of rows), so a 128k-token table is never decoded whole."""
+
+    def __init__(self, fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                 padding_idx: int | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._setup(fmt, tensors, shape, dtype)
+        self.padding_idx = padding_idx
+        self.num_embeddings, self.embedding_dim = self.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        d_out, d_in = self.shape
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= d_out):
+            raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], "
+                             f"{d_out} embeddings")
+        tensors = self.packed_tensors
+        rows = _block_rows(self.shape)
+        if _row_block(self.format, tensors, self.shape, 0, min(rows, d_out)) is None:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        gathered = torch.empty(unique.numel(), d_in, dtype=self.weight_dtype)
+        blocks = unique // rows
+        for b in torch.unique(blocks).tolist():
+            r0 = b * rows
+            part, part_shape = _row_block(self.format, tensors, self.shape, r0, min(r0 + rows, d_out))
+            decoded = self.format.unpack(part, part_shape).to(self.weight_dtype)
+            where = (blocks == b).nonzero().reshape(-1)
+            gathered[where] = decoded[unique[where] - r0]
+        return gathered[inverse.reshape(ids.shape)]
+
+
 KERNELS = ("torch", "native")
+DECODES = ("eager", "lazy")
 
 
 def check_kernel(kernel: str, fmt: FormatBase, act_quant: bool = True) -> None:
@@ -130,80 +247,284 @@ def read_metadata(path: str | Path) -> dict[str, str]:
     return CheckpointReader(path).metadata()
 
 
-def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
-                      dtype: torch.dtype = torch.float32, kernel: str = "torch") -> nn.Module:
-    """Build the model from its config (stored in the file's metadata unless given), swap in a packed
-    module wherever the file holds an encoded weight, and load every other tensor. A tensor the model
-    needs but the file lacks, or one the file has but the model does not, is an error naming it.
+# --- reading and validating the file ---------------------------------------------------------------------
 
-    ``kernel="torch"``: weights decoded once, ``F.linear`` on fake-quantised activations (the QAT
-    forward, bit for bit). ``kernel="native"`` (S3D8 only): the native kernels on the packed bytes."""
+
+def _json_field(path, meta: dict[str, str], key: str, kind: type, what: str):
+    """Metadata ``key`` parsed as JSON of type ``kind``; anything else is one ValueError naming it."""
+    raw = meta[key]
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{path}: metadata {key!r} is nested too deeply to be {what}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: metadata {key!r} is not valid JSON ({e})") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path}: metadata {key!r} must be {what}, got a JSON {type(value).__name__}")
+    return value
+
+
+def _logical_shapes(path, meta: dict[str, str]) -> dict[str, tuple[int, int]]:
+    if "shapes" not in meta:
+        return {}
+    shapes = _json_field(path, meta, "shapes", dict, "a JSON object {weight name: [d_out, d_in]}")
+    out = {}
+    for name, shape in shapes.items():
+        if (not isinstance(shape, list) or len(shape) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)):
+            raise ValueError(f"{path}: metadata 'shapes' entry {name!r} must be [d_out, d_in] with positive "
+                             f"whole numbers, got {shape!r}"[:400])
+        out[name] = (shape[0], shape[1])
+    return out
+
+
+_LAYER_COUNT = re.compile(r"^num_\w*layers$")
+
+
+def _check_layer_counts(path, cfg, n_tensors: int, where: str = "") -> None:
+    """Every ``num_*layers`` count of the config is at most the number of tensors in the file (each layer
+    holds at least one), so a corrupt count cannot make the model skeleton itself huge."""
+    if isinstance(cfg, dict):
+        for key, value in cfg.items():
+            if (isinstance(value, int) and not isinstance(value, bool) and _LAYER_COUNT.match(str(key))
+                    and value > n_tensors):
+                raise ValueError(f"{path}: metadata 'config' sets {where}{key} = {value}, but the file holds "
+                                 f"only {n_tensors} tensors")
+            if isinstance(value, dict):
+                _check_layer_counts(path, value, n_tensors, f"{where}{key}.")
+
+
+def _model_on_meta(path, meta: dict[str, str], config, dtype: torch.dtype, n_tensors: int) -> nn.Module:
+    """The model skeleton on the ``meta`` device (no memory), from ``config`` or the file's metadata."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    if config is None:
+        if "config" not in meta:
+            raise ValueError(f"{path}: no model config in the metadata; pass config=")
+        cfg = _json_field(path, meta, "config", dict, "a JSON object (the model config)")
+        _check_layer_counts(path, cfg, n_tensors)
+        if not isinstance(cfg.get("model_type"), str):
+            raise ValueError(f"{path}: metadata 'config' has no 'model_type' string")
+        try:
+            config = AutoConfig.for_model(**cfg)
+        except Exception as e:  # transformers raises many kinds for a bad config
+            raise ValueError(f"{path}: metadata 'config' is not a valid model config "
+                             f"({type(e).__name__}: {str(e)[:300]})") from None
+    try:
+        with torch.device("meta"):
+            return AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    except Exception as e:
+        raise ValueError(f"{path}: metadata 'config' does not build a model "
+                         f"({type(e).__name__}: {str(e)[:300]})") from None
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_finite(path, key: str, t: torch.Tensor, positive: bool = False) -> None:
+    if not t.numel():
+        return
+    ok = torch.isfinite(t)
+    if positive:
+        ok &= t > 0
+    if not bool(ok.all()):
+        index = (~ok).nonzero()[0].tolist()
+        value = float(t[tuple(index)])
+        rule = "finite and > 0" if positive else "finite"
+        raise ValueError(f"{path}: tensor {key!r} must be {rule}, got {value} at index {index}")
+
+
+def _materialise_non_persistent(path, model: nn.Module) -> None:
+    """Buffers the checkpoint never holds (rotary ``inv_freq``) are recomputed from the config, the way
+    transformers' own loader does, after the model was built on ``meta``."""
+    modules = {}
+    for name, buf in model.named_buffers():
+        if buf.is_meta:
+            parent, _, leaf = name.rpartition(".")
+            module = model.get_submodule(parent) if parent else model
+            if leaf not in module._non_persistent_buffers_set:
+                continue
+            module._buffers[leaf] = torch.empty_like(buf, device="cpu")
+            modules[parent] = module
+    for module in modules.values():
+        model._init_weights(module)
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    parent, _, leaf = name.rpartition(".")
+    module = model.get_submodule(parent) if parent else model
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+    else:
+        module._buffers[leaf] = tensor
+
+
+@dataclass
+class _PackedWeight:
+    module_name: str
+    saved: str                  # checkpoint name of the weight, P.weight
+    parts: dict[str, str]       # suffix -> tensor name
+    shape: tuple[int, int]
+    bias: str | None            # checkpoint name of the bias (Linear with a bias)
+
+
+def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
+                      dtype: torch.dtype = torch.float32, kernel: str = "torch",
+                      decode: str = "eager") -> nn.Module:
+    """Build the model from its config (stored in the file's metadata unless given), swap in a packed
+    module wherever the file holds an encoded weight, and load every other tensor.
+
+    The file is validated before any tensor is read: a regular, complete safetensors file; metadata
+    ``format`` / ``layout`` / ``format_version`` / ``config`` / ``shapes`` well formed; every packed part
+    present with the dtype and shape ``fmt.packed_specs`` gives for the weight's logical shape; every
+    other tensor belongs to the model with its shape (one floating dtype for all of them); nothing
+    missing. Then, tensor by tensor: scales finite and > 0, every packed weight decodes (the format's
+    checks), plain tensors finite. Any failure is one ``ValueError`` (``FileNotFoundError`` for a missing
+    path) naming the file and the tensor or metadata field. The model is built on the ``meta`` device
+    and only what the file provides is materialised, so a corrupt config costs no memory.
+
+    ``kernel="torch"``: ``F.linear`` on fake-quantised activations (the QAT forward, bit for bit), with
+    ``decode="eager"`` (weights decoded once at load, in ``dtype``) or ``decode="lazy"`` (modules keep the
+    packed tensors and decode in each forward, embeddings only the rows looked up: same numbers, memory
+    about the file's size). ``kernel="native"`` (S3D8 only): the native kernels on the packed bytes for
+    linear layers; embeddings follow ``decode``."""
+    if decode not in DECODES:
+        raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODES)}")
     reader = CheckpointReader(path)
     meta = reader.metadata()
     packable = {f.name: f for f in formats.packable()}
     if meta.get("format") not in packable:
-        raise ValueError(f"{path}: metadata 'format' is {meta.get('format')!r}, not one of {sorted(packable)}")
+        raise ValueError(f"{path}: metadata 'format' is {str(meta.get('format'))[:80]!r}, not one of {sorted(packable)}")
     fmt = packable[meta["format"]]
     check_kernel(kernel, fmt, act_quant)
-    if config is None:
-        if "config" not in meta:
-            raise ValueError(f"{path}: no model config in the metadata; pass config=")
-        cfg = json.loads(meta["config"])
-        config = AutoConfig.for_model(**cfg)
-    model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    if meta.get("format_version", PACKED_VERSION) != PACKED_VERSION:
+        raise ValueError(f"{path}: metadata 'format_version' is {meta['format_version'][:40]!r}, this reader "
+                         f"reads version {PACKED_VERSION!r}")
+    if meta.get("layout", fmt.layout) != fmt.layout:
+        raise ValueError(f"{path}: metadata 'layout' is {meta['layout'][:80]!r}, format {fmt.name!r} has "
+                         f"layout {fmt.layout!r}")
+    for key, value in fmt.file_metadata().items():
+        if meta.get(key, value) != value:
+            raise ValueError(f"{path}: metadata {key!r} is {meta[key][:80]!r}, expected {value!r}")
+    shapes = _logical_shapes(path, meta)
+    keys = set(reader.keys())
+    model = _model_on_meta(path, meta, config, dtype, len(keys))
     names = module_to_checkpoint_names(model)
-    shapes = json.loads(meta.get("shapes", "{}"))
+    to_module = {v: k for k, v in names.items()}
+    targets = model.state_dict(keep_vars=True)           # meta tensors: names, shapes, dtypes
+
+    # --- plan from the headers alone: nothing is read or allocated yet -----------------------------------
+    plan: list[_PackedWeight] = []
     used: set[str] = set()        # checkpoint tensors consumed by packed modules
     covered: set[str] = set()     # model state names those modules provide
-    for module_name, module in list(quantised_modules(model)):
+    for module_name, module in quantised_modules(model):
         saved = names[f"{module_name}.weight"]
         parts = {s: f"{saved}.{s}" for s in fmt.suffixes}
-        if parts[fmt.suffixes[0]] not in reader:
+        present = [k for k in parts.values() if k in keys]
+        if not present:
             continue
-        for s, key in parts.items():
-            if key not in reader:
+        for key in parts.values():
+            if key not in keys:
                 raise ValueError(f"{path}: tensor {key!r} is missing (the other parts of {saved!r} are there)")
-        shape = tuple(shapes.get(saved, module.weight.shape))
-        if shape != tuple(module.weight.shape):
-            raise ValueError(f"{path}: {saved!r} has logical shape {list(shape)}, the model expects "
-                             f"{list(module.weight.shape)}")
-        tensors = {s: reader.get(k) for s, k in parts.items()}
-        try:
-            weight = fmt.unpack(tensors, shape).to(dtype)
-        except ValueError as e:
-            raise ValueError(f"{path}: tensor {saved!r}: {e}") from None
+        if saved in keys:
+            raise ValueError(f"{path}: tensor {saved!r} is stored both packed and unpacked")
+        expected = tuple(module.weight.shape)
+        shape = shapes.get(saved, expected)
+        if shape != expected:
+            raise ValueError(f"{path}: metadata 'shapes' gives {saved!r} the logical shape {list(shape)}, the "
+                             f"model expects {list(expected)}")
+        for suffix, (want_dtype, want_shape) in fmt.packed_specs(shape, {}).items():
+            key = parts[suffix]
+            got_dtype, got_shape = reader.dtype_name(key), reader.shape(key)
+            if got_dtype != _DTYPE_NAMES[want_dtype]:
+                raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, format {fmt.name!r} stores it "
+                                 f"as {_DTYPE_NAMES[want_dtype]}")
+            if tuple(got_shape) != tuple(want_shape):
+                raise ValueError(f"{path}: tensor {key!r} has shape {list(got_shape)}, a weight of logical shape "
+                                 f"{list(shape)} needs {list(want_shape)}")
+        bias = None
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            bias = names[f"{module_name}.bias"]
+        plan.append(_PackedWeight(module_name, saved, parts, shape, bias))
         used.update(parts.values())
         covered.add(f"{module_name}.weight")
-        if isinstance(module, nn.Linear):
-            bias = None
-            if module.bias is not None:
-                bias_name = names[f"{module_name}.bias"]
-                bias = reader.get(bias_name).to(dtype)
-                used.add(bias_name)
-                covered.add(f"{module_name}.bias")
-            if kernel == "native":  # the packed bytes through the native kernels (INT8 activations per token)
-                layer = fmt.native_linear(tensors, shape, bias)
-                covered.update(f"{module_name}.{name}" for name, _ in layer.named_buffers())
-                replace(model, module_name, layer)
-            else:
-                replace(model, module_name, PackedLinear(weight, bias, act_quant))
-        else:
-            replace(model, module_name, PackedEmbedding(weight, module.padding_idx))
-    state = {}
-    checkpoint_to_module = {v: k for k, v in names.items()}
-    for key in reader.keys():
-        if key in used:
-            continue
-        if key not in checkpoint_to_module:
+    unknown = sorted(set(shapes) - {p.saved for p in plan})
+    if unknown:
+        raise ValueError(f"{path}: metadata 'shapes' names {unknown[0]!r}, which the file does not hold packed")
+    plain: dict[str, str] = {}    # checkpoint name -> model state name
+    float_dtypes: dict[str, list[str]] = {}
+    for key in sorted(keys - used):
+        if key not in to_module:
             raise ValueError(f"{path}: tensor {key!r} does not belong to this model")
-        state[checkpoint_to_module[key]] = reader.get(key)
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if k not in covered]
+        target = targets[to_module[key]]
+        got_shape, got_dtype = tuple(reader.shape(key)), reader.dtype_name(key)
+        if got_shape != tuple(target.shape):
+            raise ValueError(f"{path}: tensor {key!r} has shape {list(got_shape)}, the model expects "
+                             f"{list(target.shape)}")
+        if target.is_floating_point():
+            if got_dtype not in {_DTYPE_NAMES[d] for d in _FLOAT_DTYPES}:
+                raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects a floating-point "
+                                 f"tensor")
+            float_dtypes.setdefault(got_dtype, []).append(key)
+        elif got_dtype != _DTYPE_NAMES.get(target.dtype):
+            raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects "
+                             f"{_DTYPE_NAMES.get(target.dtype, target.dtype)}")
+        plain[key] = to_module[key]
+    if len(float_dtypes) > 1:     # the writer stores every unquantised tensor in one dtype
+        odd = min(float_dtypes.items(), key=lambda kv: (len(kv[1]), kv[0]))
+        common = max(float_dtypes.items(), key=lambda kv: (len(kv[1]), kv[0]))[0]
+        raise ValueError(f"{path}: tensor {odd[1][0]!r} has dtype {odd[0]}, the other unquantised tensors {common}")
+    missing = [k for k in targets if k not in covered and k not in plain.values()]
     if missing:
         raise ValueError(f"{path}: tensors missing for {len(missing)} parameters, e.g. "
                          f"{[names.get(k, k) for k in missing[:3]]}")
+
+    # --- materialise, tensor by tensor ----------------------------------------------------------------------
+    for p in plan:
+        tensors = {s: reader.get(k) for s, k in p.parts.items()}
+        if "scale" in tensors:
+            _check_finite(path, p.parts["scale"], tensors["scale"].float(), positive=True)
+        module = model.get_submodule(p.module_name)
+        try:
+            if decode == "eager" and not (kernel == "native" and isinstance(module, nn.Linear)):
+                weight = fmt.unpack(tensors, p.shape).to(dtype)
+            else:
+                _validate_blockwise(fmt, tensors, p.shape)
+        except ValueError as e:
+            raise ValueError(f"{path}: tensor {p.saved!r}: {e}") from None
+        bias = None
+        if p.bias is not None:
+            bias = reader.get(p.bias)
+            _check_finite(path, p.bias, bias.float())
+            bias = bias.to(dtype)
+        if isinstance(module, nn.Linear):
+            if kernel == "native":  # the packed bytes through the native kernels (INT8 activations per token)
+                layer = fmt.native_linear(tensors, p.shape, bias)
+            elif decode == "lazy":
+                layer = LazyPackedLinear(fmt, tensors, p.shape, bias, act_quant, dtype)
+            else:
+                layer = PackedLinear(weight, bias, act_quant)
+        elif decode == "lazy":
+            layer = LazyPackedEmbedding(fmt, tensors, p.shape, module.padding_idx, dtype)
+        else:
+            layer = PackedEmbedding(weight, module.padding_idx)
+        replace(model, p.module_name, layer)
+    biases = {p.bias for p in plan}
+    for key, state_name in plain.items():
+        if key in biases:         # read with its packed weight
+            continue
+        t = reader.get(key)
+        target = targets[state_name]
+        if t.is_floating_point():
+            _check_finite(path, key, t)
+            t = t.to(target.dtype)
+        _assign(model, state_name, t)
+    del reader
+    _materialise_non_persistent(path, model)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{path}: tensors missing for {len(left)} parameters, e.g. {[names.get(k, k) for k in left[:3]]}")
     model.eval()
     return model
 

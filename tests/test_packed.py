@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 from pipeline import formats
 from pipeline.checkpoint import CheckpointReader, StreamingWriter
 from pipeline.models import load_model, meta_model, quantised_weight_names, states_by_module
-from pipeline.packed import load_packed_model, write_packed
+from pipeline.packed import (LazyPackedEmbedding, LazyPackedLinear, PackedEmbedding, PackedLinear,
+                             load_packed_model, write_packed)
 from pipeline.qat.api import prepare
 from tests.conftest import tiny_inputs
 
@@ -47,11 +48,41 @@ def test_packed_model_equals_the_qat_forward(tiny_checkpoint, tmp_path, fmt):
                            metadata={"config": teacher.config.to_dict()})
     assert summary["file_bytes"] == out.stat().st_size
     packed_model = load_packed_model(out)
+    lazy_model = load_packed_model(out, decode="lazy")
     qat = load_model(str(tiny_checkpoint), torch.float32)
     prepare(qat, formats.get(fmt), states_by_module(qat, states), act_quant=True)
     inputs = tiny_inputs()
     with torch.no_grad():
-        assert torch.equal(packed_model(**inputs).logits, qat(**inputs).logits)
+        expected = qat(**inputs).logits
+        assert torch.equal(packed_model(**inputs).logits, expected)
+        assert torch.equal(lazy_model(**inputs).logits, expected), "decode='lazy' is bit-exact too"
+    lazy = dict(lazy_model.named_modules())
+    for name, module in packed_model.named_modules():
+        if isinstance(module, (PackedLinear, PackedEmbedding)):
+            assert isinstance(lazy[name], (LazyPackedLinear, LazyPackedEmbedding))
+            assert torch.equal(lazy[name].weight, module.weight), name
+    assert sum(b.numel() * b.element_size() for b in lazy_model.buffers()) < summary["file_bytes"]
+
+
+def test_lazy_embedding_decodes_rows_in_blocks(tiny_checkpoint, tmp_path, monkeypatch):
+    """Row blocks smaller than the table: every looked-up row equals the eagerly decoded one."""
+    import pipeline.packed as packed
+
+    monkeypatch.setattr(packed, "_ROW_BLOCK_ELEMS", 48 * 6)      # 6 rows per block
+    for fmt in ("s3d8", "int", "student_t"):
+        states = fit_all(tiny_checkpoint, fmt)
+        out = tmp_path / f"{fmt}.safetensors"
+        teacher = load_model(str(tiny_checkpoint), torch.float32)
+        write_packed(out, CheckpointReader(tiny_checkpoint), formats.get(fmt), states, dtype=torch.float32,
+                     metadata={"config": teacher.config.to_dict()})
+        eager = load_packed_model(out).model.language_model.embed_tokens
+        lazy = load_packed_model(out, decode="lazy").model.language_model.embed_tokens
+        ids = torch.tensor([[0, 5, 67, 5], [13, 6, 12, 66]])
+        assert torch.equal(lazy(ids), eager(ids))
+        with pytest.raises(IndexError):
+            lazy(torch.tensor([68]))
+    with pytest.raises(ValueError, match="decode"):
+        load_packed_model(out, decode="sometimes")
 
 
 def test_s3d8_file_follows_spec_section_7(tiny_checkpoint, tmp_path):
@@ -113,6 +144,8 @@ def test_native_kernel_model_matches_the_decoded_model(tiny_checkpoint, tmp_path
     with torch.no_grad():
         decoded = load_packed_model(out)(**inputs).logits
         native = load_packed_model(out, kernel="native")(**inputs).logits
+        native_lazy = load_packed_model(out, kernel="native", decode="lazy")(**inputs).logits
     assert torch.allclose(native, decoded, rtol=1e-4, atol=1e-4)
+    assert torch.equal(native_lazy, native), "lazy embeddings give the same numbers under the native kernels"
     with pytest.raises(ValueError, match="native"):
         load_packed_model(out, kernel="native", act_quant=False)

@@ -33,15 +33,44 @@ class Example:
     response_ids: tuple[int, ...]
 
 
-def load_examples(directory: str | Path) -> list[Example]:
-    """Every teacher answer in the shards of ``directory``, in prompt order."""
+def load_examples(directory: str | Path, vocab_size: int | None = None) -> list[Example]:
+    """Every teacher answer in the shards of ``directory``, in prompt order.
+
+    Token ids must be whole numbers >= 0 (below ``vocab_size`` when it is given: the model's vocabulary)
+    and every prompt non-empty; anything else, or an image reference that is not a string, is a
+    ``ValueError`` naming the shard file and the row."""
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise ValueError(f"vocab_size: expected a whole number >= 1, got {vocab_size!r}")
     examples = []
     for path in shard_paths(directory):
         table, _ = read_shard(path, COLUMNS)
         for row in table.select(COLUMNS).to_pylist():
-            examples.append(Example(row["index"], row["image_ref"], tuple(row["prompt_ids"]), tuple(row["response_ids"])))
+            examples.append(_example(path, row, vocab_size))
     examples.sort(key=lambda e: e.index)
     return examples
+
+
+def _example(path: Path, row: dict, vocab_size: int | None) -> Example:
+    index = row["index"]
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"{path}: row index {index!r}: expected a whole number >= 0")
+    if not isinstance(row["image_ref"], str) or not row["image_ref"]:
+        raise ValueError(f"{path}: prompt {index}: image_ref {row['image_ref']!r} is not a reference string")
+    ids = {}
+    for column in ("prompt_ids", "response_ids"):
+        values = row[column]
+        if not isinstance(values, list):
+            raise ValueError(f"{path}: prompt {index}: {column} is {type(values).__name__}, not a list of token ids")
+        for pos, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{path}: prompt {index}: {column}[{pos}] = {v!r} is not a whole-number token id")
+            if v < 0 or (vocab_size is not None and v >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(f"{path}: prompt {index}: {column}[{pos}] = {v} is outside the vocabulary {bound}")
+        ids[column] = tuple(values)
+    if not ids["prompt_ids"]:
+        raise ValueError(f"{path}: prompt {index}: prompt_ids is empty (a sequence starts with its prompt)")
+    return Example(index, row["image_ref"], ids["prompt_ids"], ids["response_ids"])
 
 
 def split_heldout(examples: list[Example], heldout: int) -> tuple[list[Example], list[Example]]:
@@ -67,10 +96,14 @@ def batch_indices(n_examples: int, batch_size: int, step: int, seed: int) -> lis
     return out
 
 
-def collate(examples: list[Example], processor, max_seq_len: int) -> dict[str, torch.Tensor]:
-    """Model inputs plus ``loss_mask`` for a list of examples (right padding)."""
+def collate(examples: list[Example], processor, max_seq_len: int,
+            pool: str | None = None) -> dict[str, torch.Tensor]:
+    """Model inputs plus ``loss_mask`` for a list of examples (right padding). With ``pool`` (the
+    ``sample.images`` spec) every image reference must lie inside that pool."""
     seqs, masks = [], []
     for e in examples:
+        if not e.prompt_ids:
+            raise ValueError(f"prompt {e.index}: prompt_ids is empty (the loss mask needs a prompt)")
         if len(e.prompt_ids) >= max_seq_len:
             raise ValueError(f"prompt {e.index} has {len(e.prompt_ids)} tokens, not below "
                              f"max_seq_len={max_seq_len}: raise qat.max_seq_len")
@@ -89,7 +122,7 @@ def collate(examples: list[Example], processor, max_seq_len: int) -> dict[str, t
         input_ids[i, :len(s)] = torch.tensor(s)
         attention[i, :len(s)] = 1
         loss_mask[i, :len(m)] = torch.tensor(m)
-    images = processor.image_processor(images=[[load_image(e.image_ref)] for e in examples], return_tensors="pt")
+    images = processor.image_processor(images=[[load_image(e.image_ref, pool)] for e in examples], return_tensors="pt")
     num_tiles = images.pop("num_tiles")
     sparse = [get_cross_attention_token_mask(s, processor.image_token_id) for s in seqs]
     cross = convert_sparse_cross_attention_mask_to_dense(sparse, num_tiles=num_tiles,
