@@ -134,11 +134,31 @@ def compile_library(cc: list[str], out_dir: Path, extra: list[str]) -> list[Path
     return objects
 
 
+def make_ffi(objects: list[Path], **kwargs):
+    """The cffi (API mode) builder of ``pipeline._s3d8_native``: the wrappers, linked with the library
+    objects ``objects`` (from :func:`compile_library`)."""
+    import cffi
+
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source("pipeline._s3d8_native", WRAPPERS, include_dirs=[str(NATIVE)],
+                   extra_objects=[str(o) for o in objects], extra_compile_args=["-O2"],
+                   extra_link_args=["-fopenmp"], **kwargs)
+    return ffi
+
+
+def ffibuilder():
+    """Entry point of cffi's setuptools integration (``cffi_modules=["native/build.py:ffibuilder"]`` in
+    setup.py): the extension without its library objects, which setup.py's ``build_ext`` compiles with
+    :func:`compile_library` (each ISA file with its own flags) into its build directory and adds just
+    before the extension is compiled. Not the limited API, so the module is named like the one
+    ``python native/build.py`` builds (``_s3d8_native.cpython-*.so``)."""
+    return make_ffi([], py_limited_api=False)
+
+
 def build_extension(force: bool = False) -> Path:
     """Compile the library and its cffi (API mode) wrapper into pipeline/_s3d8_native*.so
     (skipped when it is newer than every source)."""
-    import cffi
-
     existing = sorted((ROOT / "pipeline").glob("_s3d8_native.*.so"))
     newest_source = max(p.stat().st_mtime for p in [*NATIVE.glob("*.[ch]"), Path(__file__)])
     if existing and not force and existing[-1].stat().st_mtime > newest_source:
@@ -148,11 +168,7 @@ def build_extension(force: bool = False) -> Path:
     arch, triple = target_of(cc)
     out_dir = BUILD / f"ext-{triple}"
     objects = compile_library(cc, out_dir, ["-fPIC"])
-    ffi = cffi.FFI()
-    ffi.cdef(CDEF)
-    ffi.set_source("pipeline._s3d8_native", WRAPPERS, include_dirs=[str(NATIVE)],
-                   extra_objects=[str(o) for o in objects], extra_compile_args=["-O2"],
-                   extra_link_args=["-fopenmp"])
+    ffi = make_ffi(objects)
     built = Path(ffi.compile(tmpdir=str(out_dir), verbose=False))
     target = ROOT / "pipeline" / built.name
     tmp = target.with_name(target.name + ".tmp")

@@ -1,0 +1,221 @@
+"""The ``s3d8`` command: the library's main operations without the DVC pipeline.
+
+    s3d8 pack MODEL_DIR OUT [--format s3d8] [--dtype bfloat16]   # direct cast to a packed file (SPEC section 7)
+    s3d8 eval PACKED [--tasks toy-vqa ...] [--n 16]               # score a packed model on the (toy) tasks
+    s3d8 export-sqt PACKED OUT.sqt [--tokenizer DIR]              # the reference engine's .sqt v3 file
+    s3d8 bench [--shape 1,4096,4096] [--threads 1]                # S3D8 vs BF16 matmul on the native kernels
+    s3d8 generate PACKED --prompt TEXT [--image PATH] ...         # pipeline.runtime's generation
+
+``OUT`` of ``pack``: a ``.safetensors`` file, or a directory (``model.safetensors`` beside the source model's
+config, tokenizer and processor files). ``PACKED``: a packed file or such a directory. Errors are one line
+on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+_SIDE_FILES = ("*.json", "*.jinja", "*.model", "*.txt")
+
+
+def _packed_file(path: str) -> Path:
+    p = Path(path)
+    return p / "model.safetensors" if p.is_dir() else p
+
+
+def _model_dir(path: str, tokenizer: str | None) -> str:
+    """The directory with the tokenizer / processor for a packed model (``--tokenizer``, the model directory,
+    or the packed file's source model)."""
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.sqt import tokenizer_dir
+
+    file = _packed_file(path)
+    directory = Path(path) if Path(path).is_dir() else None
+    return str(tokenizer_dir(file, CheckpointReader(file).metadata(), directory, tokenizer))
+
+
+def cmd_pack(args) -> int:
+    import torch  # noqa: F401  (import order: torch before the formats)
+
+    from pipeline import formats
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.fit import fit_model
+    from pipeline.models import dtype_of, load_config
+    from pipeline.packed import write_packed
+    from pipeline.teacher import local_dir
+
+    fmt = formats.comparison(args.format, "--format")
+    source = local_dir(args.model)
+    states, report = fit_model(fmt, str(source), seed=args.seed)
+    out = Path(args.out)
+    as_dir = out.suffix != ".safetensors"
+    file = out / "model.safetensors" if as_dir else out
+    file.parent.mkdir(parents=True, exist_ok=True)
+    summary = write_packed(file, CheckpointReader(source), fmt, states, dtype=dtype_of(args.dtype),
+                           metadata={"config": load_config(str(source)).to_dict(), "method": "direct-cast",
+                                     "source_model": args.model})
+    if as_dir:
+        for pattern in _SIDE_FILES:
+            for side in sorted(source.glob(pattern)):
+                if side.name not in ("model.safetensors.index.json",):
+                    shutil.copy2(side, out / side.name)
+    print(f"{file}: {summary['file_bytes']} bytes, {summary['bits_per_param_nominal']:.3f} bits/param nominal, "
+          f"{summary['bits_per_param_actual']:.3f} actual (fit rel. RMSE {report['summary']['rel_rmse']:.4f})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    import pipeline.toy.tasks  # noqa: F401  (registers the toy tasks)
+    from pipeline.eval.runner import evaluate
+    from pipeline.models import load_processor
+    from pipeline.packed import load_packed_model
+
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_packed_model(_packed_file(args.model), kernel=args.kernel)
+    processor = load_processor(_model_dir(args.model, args.tokenizer))
+    result = evaluate(model, processor, args.tasks, n=args.n, seed=args.seed, batch_size=args.batch_size,
+                      max_new_tokens={t: args.max_new_tokens for t in args.tasks} if args.max_new_tokens else None)
+    summary = result.summary()
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    for task, score in sorted(result.scores.items()):
+        print(f"{task:16s} {score:.4f}")
+    print(f"{'average':16s} {result.avg:.4f}")
+    return 0
+
+
+def cmd_export_sqt(args) -> int:
+    from pipeline import sqt
+
+    return sqt.main(["export", args.model, args.out, *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+                     "--alignment", str(args.alignment)])
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from pipeline import native
+    from pipeline.formats import s3d8
+
+    try:
+        m, k, n = (int(v) for v in args.shape.split(","))
+    except ValueError:
+        raise ValueError(f"--shape {args.shape!r}: expected m,k,n (e.g. 1,4096,4096)") from None
+    if min(m, k, n) < 1:
+        raise ValueError(f"--shape {args.shape!r}: every dimension must be >= 1")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen)
+    table = s3d8.fit_centroids(weight, seed=0)
+    packed, scale = native.s3d8_encode(weight, table, threads=args.threads)
+    x = torch.randn(m, k, generator=gen)
+    w_bf16 = weight.to(torch.bfloat16)
+    impls = {"s3d8": lambda: native.s3d8_matmul(x, packed, scale, table, (n, k), threads=args.threads),
+             "bf16": lambda: native.bf16_matmul(x, w_bf16, threads=args.threads)}
+    print(f"native variant {native.variant()} (available: {', '.join(native.available_variants())}), "
+          f"m={m} k={k} n={n}, threads={args.threads}")
+    for name, fn in impls.items():
+        fn()                                         # warm-up
+        times = []
+        deadline = time.perf_counter() + args.seconds
+        while len(times) < 3 or time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        best = min(times)
+        print(f"{name:5s} {best * 1e6:10.1f} us  {m * k * n / best / 1e9:8.2f} GMAC/s  ({len(times)} runs)")
+    return 0
+
+
+def cmd_generate(args, rest: list[str]) -> int:
+    try:
+        from pipeline import runtime
+    except ImportError as e:
+        print(f"error: s3d8 generate needs pipeline.runtime, which this installation lacks ({e}); "
+              f"update the package", file=sys.stderr)
+        return 2
+    if not hasattr(runtime, "main"):
+        print("error: pipeline.runtime has no command-line entry point (main) in this version", file=sys.stderr)
+        return 2
+    return int(runtime.main(rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="s3d8", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:8]))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("pack", help="fit and pack a model directory (direct cast)")
+    p.add_argument("model", help="model directory (Hugging Face layout) or hub id")
+    p.add_argument("out", help="OUT.safetensors, or a directory for model.safetensors + config and tokenizer")
+    p.add_argument("--format", default="s3d8", help="s3d8, int, student_t or lloyd_max (default s3d8)")
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the tensors that are not quantised")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("eval", help="score a packed model on evaluation tasks")
+    p.add_argument("model", help="packed .safetensors file or its directory")
+    p.add_argument("--tasks", nargs="+", default=["toy-vqa", "toy-chartqa", "toy-docvqa", "toy-ai2d"])
+    p.add_argument("--n", type=int, default=16, help="examples per task")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, help="override the per-task cap")
+    p.add_argument("--kernel", default="torch", choices=["torch", "native"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--tokenizer", help="processor directory (default: beside the model or its source model)")
+    p.add_argument("--json", help="also write the scores to this JSON file")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export-sqt", help="write the reference engine's .sqt v3 file of a packed S3D8 model")
+    p.add_argument("model", help="packed S3D8 .safetensors file or its directory")
+    p.add_argument("out", help="output .sqt file")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: beside the model or its source model)")
+    p.add_argument("--alignment", type=int, default=32)
+    p.set_defaults(func=cmd_export_sqt)
+
+    p = sub.add_parser("bench", help="time S3D8 and BF16 matmuls on the native kernels")
+    p.add_argument("--shape", default="1,4096,4096", help="m,k,n (default 1,4096,4096)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=1.0, help="time per implementation")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("generate", add_help=False,
+                       help="generate with pipeline.runtime (arguments as `python -m pipeline.runtime`)")
+    p.set_defaults(func=None)
+    return parser
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("s3d8-pipeline")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "generate":
+        return cmd_generate(None, argv[1:])
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+        print(f"s3d8 {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
