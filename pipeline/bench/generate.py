@@ -1,0 +1,375 @@
+"""End-to-end generation benchmark (issue 15): tokens/s of packed models on the native kernels.
+
+``python -m pipeline.bench.generate [--models toy,synthetic-1b] [--threads 1,2] [--prompt-tokens 128]
+[--new-tokens 64] [--impls lean,hf] [--llama-cpp]`` writes ``reports/bench_generate.json``
+(``{"records": [{model, format, impl, threads, prompt_tokens, new_tokens, prefill_tokens_per_s,
+decode_tokens_per_s, weight_bytes, peak_rss_mb, ...}], ...}``), ``reports/bench_generate.md`` (with the
+goals) and ``reports/bench_generate.png``.
+
+Every row runs in a fresh subprocess (``--child``), so its peak RSS (``ru_maxrss``) is that model's
+alone. The prompt is 128 seeded random token ids, generation greedy with EOS ignored, after a short
+warm-up (8 prompt tokens, 2 new). Synthetic models (``pipeline.synthetic``) are written on first use
+under ``models/synthetic/``; the toy is the committed toy teacher packed to S3D8 (its own fitted tables).
+llama.cpp rows (``--llama-cpp``) need the optional extra (``pip install -r requirements-bench.txt``):
+the bf16 synthetic weights as GGUF, quantised by llama.cpp's own ``llama_model_quantize``; without
+the packages those rows are skipped with a message. Read bandwidth is measured with
+``native.read_bandwidth_probe`` over a 1 GiB buffer (best of 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SYNTH_DIR = ROOT / "models" / "synthetic"
+TOY_PACKED = SYNTH_DIR / "toy" / "s3d8.safetensors"
+LLAMA_CPP_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q3_K_S", "Q2_K")
+GOALS = {"s3d8_vs_int8": 2.0, "s3d8_vs_bf16": 4.0, "s3d8_vs_llama_cpp_le_3_5_bits": 1.3,
+         "bandwidth_fraction": 0.8, "rss_factor": 1.2, "rss_slack_mb": 300}
+
+
+# --- model files ------------------------------------------------------------------------------------------------
+
+def toy_packed(path: Path = TOY_PACKED) -> Path:
+    """The committed toy teacher packed to S3D8 (per-matrix fitted tables), built once."""
+    if path.exists():
+        return path
+    from pipeline import formats
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.models import load_config, meta_model, quantised_weight_names
+    from pipeline.packed import write_packed
+
+    src = ROOT / "data" / "toy-teacher"
+    reader = CheckpointReader(src / "model.safetensors")
+    names = quantised_weight_names(meta_model(load_config(str(src))))
+    fmt = formats.get("s3d8")
+    states = {s.removesuffix(".weight"): fmt.fit(reader.get(s).float()) for s in names.values()}
+    write_packed(path, reader, fmt, states, dtype=torch.bfloat16,
+                 metadata={"config": load_config(str(src)).to_dict(), "source_model": str(src)})
+    return path
+
+
+def model_file(model: str, fmt: str) -> Path:
+    if model == "toy":
+        if fmt != "s3d8":
+            raise ValueError("the toy runs as S3D8 only")
+        return toy_packed()
+    path = SYNTH_DIR / model / f"{fmt}.safetensors"
+    if not path.exists():
+        from pipeline.synthetic import write_synthetic
+        write_synthetic(model, SYNTH_DIR)
+    return path
+
+
+def gguf_file(model: str, qtype: str, threads: int = 2) -> Path:
+    """``models/synthetic/<model>/<qtype>.gguf``: bf16 GGUF from the synthetic bf16 file, then llama.cpp's
+    quantizer."""
+    import ctypes
+
+    import llama_cpp
+    from pipeline.synthetic import write_gguf
+
+    folder = SYNTH_DIR / model
+    src = folder / "bf16.gguf"
+    if not src.exists():
+        write_gguf(model_file(model, "bf16"), src)
+    out = folder / f"{qtype}.gguf"
+    if not out.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
+        params.nthread = threads
+        tmp = folder / f".{qtype}.gguf.tmp"
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize {qtype}: status {rc}")
+        os.replace(tmp, out)
+    return out
+
+
+def llama_cpp_status() -> str | None:
+    """None when the optional extra is importable, else the reason."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return (f"llama.cpp rows skipped: {e.name or e} is not installed "
+                f"(pip install -r requirements-bench.txt builds llama.cpp from source)")
+    return None
+
+
+# --- one measurement (child process) ----------------------------------------------------------------------------
+
+def _prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(vocab, 32000), (1, n), generator=gen)
+
+
+def _child_native(spec: dict) -> dict:
+    from pipeline import runtime
+
+    torch.set_num_threads(spec["threads"])
+    path = Path(spec["path"])
+    t0 = time.perf_counter()
+    model = runtime.load(path, spec["impl"], max_len=spec["prompt_tokens"] + spec["new_tokens"] + 8)
+    load_s = time.perf_counter() - t0
+    if isinstance(model, runtime.LeanLlama):
+        vocab = model.config["vocab_size"]
+    else:
+        cfg = model.config
+        vocab = getattr(cfg, "text_config", cfg).vocab_size
+    run = runtime.lean_generate if spec["impl"] == "lean" else runtime.hf_generate
+    run(model, {"input_ids": _prompt(8, vocab, 1)}, 2)                     # warm-up
+    res = run(model, {"input_ids": _prompt(spec["prompt_tokens"], vocab)}, spec["new_tokens"])
+    cfg = model.config if isinstance(model, runtime.LeanLlama) else None
+    kv = 0
+    if cfg is not None:
+        kv = model.kv_cache_bytes
+    else:
+        c = getattr(model.config, "text_config", model.config)
+        hd = c.hidden_size // c.num_attention_heads
+        kv = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4 * (spec["prompt_tokens"] + spec["new_tokens"])
+    return {"prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens_per_s": res.decode_tokens_per_s,
+            "new_tokens": res.new_tokens, "load_s": load_s, "kv_cache_bytes": kv,
+            "weight_bytes": int(getattr(model, "weight_bytes", path.stat().st_size))}
+
+
+def _child_llama_cpp(spec: dict) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    n, m, t = spec["prompt_tokens"], spec["new_tokens"], spec["threads"]
+    t0 = time.perf_counter()
+    llm = Llama(model_path=spec["path"], n_threads=t, n_threads_batch=t, n_ctx=n + m + 16, n_batch=512,
+                verbose=False)
+    load_s = time.perf_counter() - t0
+    vocab = llm.n_vocab()
+
+    def run(prompt: list[int], new: int):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        stamps, toks = [], []
+        for i in range(new):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            toks.append(tok)
+            stamps.append(time.perf_counter())
+            if i < new - 1:
+                llm.eval([tok])
+        return t0, stamps
+
+    run(_prompt(8, vocab, 1)[0].tolist(), 2)
+    t0, stamps = run(_prompt(n, vocab)[0].tolist(), m)
+    return {"prefill_tokens_per_s": n / (stamps[0] - t0), "decode_tokens_per_s": (m - 1) / (stamps[-1] - stamps[0]),
+            "new_tokens": m, "load_s": load_s, "weight_bytes": Path(spec["path"]).stat().st_size,
+            "kv_cache_bytes": 0}
+
+
+def child(spec: dict) -> dict:
+    out = _child_llama_cpp(spec) if spec["impl"] == "llama.cpp" else _child_native(spec)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def measure(spec: dict, timeout: int = 1800) -> dict:
+    """Run ``spec`` in a fresh interpreter; its JSON result, or ``{"error": ...}``."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
+    p = subprocess.run([sys.executable, "-m", "pipeline.bench.generate", "--child", json.dumps(spec)],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return json.loads(lines[-1])
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Single-thread read bandwidth in bytes/s (best of ``repeats`` passes over ``nbytes``)."""
+    from pipeline import native
+
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        native.read_bandwidth_probe(buf)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+# --- report --------------------------------------------------------------------------------------------------------
+
+def _bits(rec: dict, params: int | None) -> float | None:
+    return 8 * rec["weight_bytes"] / params if params else None
+
+
+def analyse(data: dict) -> list[str]:
+    """Goal lines for the markdown (per model and thread count)."""
+    recs, bw = data["records"], data["read_bandwidth_gb_s"] * 1e9
+    out = []
+    keyed = {(r["model"], r["format"], r["impl"], r["threads"]): r for r in recs if "error" not in r}
+    models = sorted({r["model"] for r in recs if r["model"] != "toy"})
+    for model in models:
+        for t in data["threads"]:
+            s = keyed.get((model, "s3d8", "lean", t))
+            if not s:
+                continue
+            line = [f"**{model}, {t} thread(s)**: S3D8 {s['decode_tokens_per_s']:.2f} tokens/s"]
+            for fmt, goal in (("int8", GOALS["s3d8_vs_int8"]), ("bf16", GOALS["s3d8_vs_bf16"])):
+                o = keyed.get((model, fmt, "lean", t))
+                if o:
+                    r = s["decode_tokens_per_s"] / o["decode_tokens_per_s"]
+                    line.append(f"{r:.2f}x {fmt.upper()} (goal >= {goal}x: {'met' if r >= goal else 'NOT met'})")
+            cands = [r for r in recs if r["model"] == model and r["impl"] == "llama.cpp" and r["threads"] == t
+                     and "error" not in r and (r.get("bits_per_weight") or 99) <= 3.5]
+            if cands:
+                best = max(cands, key=lambda r: r["decode_tokens_per_s"])
+                r = s["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+                line.append(f"{r:.2f}x llama.cpp's best at <= 3.5 bits ({best['format']}, "
+                            f"{best['decode_tokens_per_s']:.2f} tokens/s; goal >= 1.3x: {'met' if r >= 1.3 else 'NOT met'})")
+            else:
+                line.append("llama.cpp: not measured")
+            bound = bw / s["weight_bytes"]
+            frac = s["decode_tokens_per_s"] / bound
+            line.append(f"{frac:.0%} of the bandwidth bound {bound:.1f} tokens/s (goal >= 80%: "
+                        f"{'met' if frac >= 0.8 else 'NOT met'})")
+            limit = 1.2 * s["weight_bytes"] / 2**20 + s["kv_cache_bytes"] / 2**20 + 300
+            line.append(f"peak RSS {s['peak_rss_mb']:.0f} MB vs limit {limit:.0f} MB "
+                        f"({'met' if s['peak_rss_mb'] <= limit else 'NOT met'})")
+            out.append("- " + "; ".join(line))
+    return out
+
+
+def write_report(data: dict, out_dir: Path) -> None:
+    recs = data["records"]
+    md = ["# Generation benchmark (issue 15)", "",
+          f"Machine: {data['machine']}; load average {data['load_average_before']} before, "
+          f"{data['load_average_after']} after; single-thread read bandwidth {data['read_bandwidth_gb_s']:.1f} GB/s "
+          f"(`native.read_bandwidth_probe`, 1 GiB). Prompt {data['prompt_tokens']} tokens, {data['new_tokens']} new "
+          "tokens, greedy, EOS ignored; each row a fresh process. Timings on a shared machine: compare ratios "
+          "within this run.", "",
+          "| model | format | impl | threads | prefill tok/s | decode tok/s | weight MB | bits/weight | "
+          "bandwidth bound tok/s | fraction | peak RSS MB |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    bw = data["read_bandwidth_gb_s"] * 1e9
+    for r in recs:
+        if "error" in r:
+            md.append(f"| {r['model']} | {r['format']} | {r['impl']} | {r['threads']} | error: {r['error']} |"
+                      " | | | | | |")
+            continue
+        bound = bw / r["weight_bytes"]
+        bpw = r.get("bits_per_weight")
+        md.append(f"| {r['model']} | {r['format']} | {r['impl']} | {r['threads']} | {r['prefill_tokens_per_s']:.1f} | "
+                  f"{r['decode_tokens_per_s']:.2f} | {r['weight_bytes'] / 1e6:.0f} | "
+                  f"{'' if bpw is None else f'{bpw:.2f}'} | {bound:.1f} | "
+                  f"{r['decode_tokens_per_s'] / bound:.0%} | {r['peak_rss_mb']:.0f} |")
+    md += ["", "## Goals", "", *analyse(data), ""]
+    md += [f"- {m}" for m in data.get("notes", [])]
+    (out_dir / "bench_generate.md").write_text("\n".join(md) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [r for r in recs if "error" not in r]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    labels = [f"{r['model']}\n{r['format']} {r['impl']} t{r['threads']}" for r in ok]
+    colors = {"s3d8": "tab:red", "int8": "tab:blue", "bf16": "tab:gray"}
+    ax.bar(range(len(ok)), [r["decode_tokens_per_s"] for r in ok],
+           color=[colors.get(r["format"], "tab:green") for r in ok])
+    ax.set_xticks(range(len(ok)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_yscale("log")
+    ax.set_title(f"Decode tokens/s ({data['prompt_tokens']}-token prompt, {data['new_tokens']} new tokens)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench_generate.png", dpi=120)
+    plt.close(fig)
+
+
+def _n_params(model: str) -> int | None:
+    if model == "toy":
+        return None
+    from pipeline.synthetic import PRESETS, tensor_shapes
+    import math
+    return sum(math.prod(s) for s in tensor_shapes(PRESETS[model]).values() if len(s) == 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="tokens/s of packed models (issue 15)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--models", default="toy,synthetic-1b")
+    ap.add_argument("--formats", default="s3d8,int8,bf16")
+    ap.add_argument("--impls", default="lean,hf", help="hf rows for S3D8 only (the comparison of loops)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--llama-cpp", action="store_true", help="add llama.cpp rows (optional extra)")
+    ap.add_argument("--out", default=str(ROOT / "reports"))
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))), flush=True)
+        return 0
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = [int(t) for t in args.threads.split(",")]
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    bw = read_bandwidth()
+    records, notes = [], []
+    jobs = []
+    for model in args.models.split(","):
+        fmts = ["s3d8"] if model == "toy" else args.formats.split(",")
+        for fmt in fmts:
+            impls = args.impls.split(",") if fmt == "s3d8" else ["lean"]
+            for impl in impls:
+                for t in threads:
+                    jobs.append((model, fmt, impl, t, None))
+        if args.llama_cpp and model != "toy":
+            status = llama_cpp_status()
+            if status:
+                notes.append(status)
+                print(status, file=sys.stderr)
+            else:
+                for q in LLAMA_CPP_TYPES:
+                    for t in threads:
+                        jobs.append((model, q, "llama.cpp", t, q))
+    for model, fmt, impl, t, q in jobs:
+        try:
+            path = gguf_file(model, q) if q else model_file(model, fmt)
+        except Exception as e:  # a failed build is a row with an error, not a failed run
+            records.append({"model": model, "format": fmt, "impl": impl, "threads": t, "error": str(e)[:300]})
+            continue
+        spec = {"path": str(path), "impl": impl, "threads": t, "prompt_tokens": args.prompt_tokens,
+                "new_tokens": args.new_tokens}
+        res = measure(spec)
+        rec = {"model": model, "format": fmt, "impl": impl, "threads": t, "prompt_tokens": args.prompt_tokens,
+               "new_tokens": args.new_tokens, **res}
+        if "weight_bytes" in rec:
+            params = _n_params(model)
+            rec["bits_per_weight"] = _bits(rec, params)
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+    toy = [r for r in records if r["model"] == "toy" and "error" not in r]
+    for r in toy:
+        bound = bw / r["weight_bytes"]
+        notes.append(f"toy ({r['impl']}, {r['threads']} thread(s)): {r['decode_tokens_per_s']:.1f} tokens/s against a "
+                     f"bandwidth bound of {bound:.0f} tokens/s for its {r['weight_bytes'] / 1e6:.2f} MB: "
+                     f"overhead-bound, {bound / r['decode_tokens_per_s']:.0f}x below it")
+    data = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}",
+            "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "read_bandwidth_gb_s": bw / 1e9, "threads": threads, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "goals": GOALS, "notes": notes, "records": records}
+    (out_dir / "bench_generate.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_report(data, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,620 @@
+"""Generation runtime on packed models: every Linear on the native kernels, straight from the packed bytes.
+
+Two kinds of packed file run here:
+
+- the pipeline's packed S3D8 Mllama (``models/packed/s3d8/*.safetensors``, SPEC section 7): rebuilt by
+  ``load_packed_model(path, kernel="native")`` (every Linear of the language and vision models, the
+  projector and ``lm_head`` is a ``native.S3D8Linear``), its embedding swapped for
+  :class:`S3D8RowEmbedding` (decodes only the looked-up rows);
+- text-only Llama files (``pipeline/synthetic.py``: ``s3d8``, and the ``int8`` / ``bf16`` baselines),
+  run by :class:`LeanLlama`, a small Llama decoder of our own over the packed tensors (or, with
+  ``impl="hf"``, by Hugging Face's ``LlamaForCausalLM`` with the same native modules swapped in).
+
+Generation, greedy or sampled (temperature, top-k, top-p, seeded), with a KV cache, two ways:
+
+- ``impl="hf"``: Hugging Face ``generate`` (its ``DynamicCache``, logits processors, stopping criteria);
+- ``impl="lean"`` (the default): our own loop. For Llama files the whole decoder is ours (preallocated
+  float32 KV cache, RoPE tables, ``scaled_dot_product_attention`` with GQA, logits of the last position
+  only); for Mllama files a minimal loop over the HF model and its cache (``logits_to_keep=1``, no
+  processors). ``pipeline/bench/generate.py`` measures both; the lean loop is faster at every size we
+  measured (``reports/bench_generate.md``), so it is the default.
+
+``python -m pipeline.runtime MODEL --prompt "..." [--image PATH] [--max-new-tokens N] [--threads N]``
+prints tokens as they come and tokens/s at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMPLS = ("lean", "hf")
+DEFAULT_IMPL = "lean"
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
+              "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32, "F64": torch.float64, "BOOL": torch.bool}
+
+
+class RuntimeInputError(ValueError):
+    """Bad input to the runtime (model file, prompt, threads): the CLI prints it as one line."""
+
+
+# --- files -------------------------------------------------------------------------------------------------
+
+def read_header(path: str | Path) -> tuple[dict, dict[str, str], int]:
+    """``(tensor entries, metadata, data offset)`` of a safetensors file; RuntimeInputError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise RuntimeInputError(f"{path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(path.stat().st_size, 1 << 30):
+                raise ValueError
+            header = json.loads(f.read(n))
+    except (ValueError, struct.error, UnicodeDecodeError):
+        raise RuntimeInputError(f"{path}: not a safetensors file (a packed model is one)") from None
+    meta = header.pop("__metadata__", {}) or {}
+    return header, meta, 8 + n
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Every tensor read into private memory with plain reads (no mmap: resident memory is the file once)."""
+    header, meta, base = read_header(path)
+    out = {}
+    with open(path, "rb", buffering=0) as f:
+        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype = _ST_DTYPES[e["dtype"]]
+            t = torch.empty(e["shape"], dtype=dtype)
+            a, b = e["data_offsets"]
+            f.seek(base + a)
+            view = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+            got = f.readinto(view) if t.numel() else 0
+            if got != b - a:
+                raise RuntimeInputError(f"{path}: tensor {name!r} is truncated")
+            out[name] = t
+    return meta, out
+
+
+def model_kind(path: str | Path) -> tuple[str, str]:
+    """``("mllama" | "llama", format)`` of a packed file this runtime runs; RuntimeInputError otherwise."""
+    _, meta, _ = read_header(path)
+    fmt = meta.get("format")
+    try:
+        cfg = json.loads(meta.get("config", "null"))
+    except ValueError:
+        cfg = None
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type == "llama" and fmt in ("s3d8", "int8", "bf16"):
+        return "llama", fmt
+    if fmt == "s3d8" and model_type == "mllama":
+        return "mllama", fmt
+    raise RuntimeInputError(
+        f"{path}: not a packed S3D8 model this runtime runs (metadata format={str(fmt)[:40]!r}, "
+        f"model_type={str(model_type)[:40]!r}); it runs packed S3D8 Mllama files and the synthetic Llama "
+        f"files (s3d8/int8/bf16); other packed formats run on torch: "
+        f"pipeline.packed.load_packed_model(path, kernel='torch')")
+
+
+# --- native layers -------------------------------------------------------------------------------------------
+
+class Int8Linear(nn.Module):
+    """Per-channel INT8 weight on ``native.int8_matmul`` (the library's INT8 baseline)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x):
+        from pipeline import native
+        return native.int8_matmul(x.float().contiguous(), self.weight, self.scale).to(x.dtype)
+
+
+class Bf16Linear(nn.Module):
+    """bf16 weight on ``native.bf16_matmul`` (float32 arithmetic, the float baseline)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x):
+        from pipeline import native
+        return native.bf16_matmul(x.float().contiguous(), self.weight).to(x.dtype)
+
+
+class S3D8RowEmbedding(nn.Module):
+    """An S3D8 embedding that decodes only the looked-up rows from the packed bytes: the 3-row groups of
+    the unique ids are gathered and decoded by the native kernel as one small weight, then scaled.
+    Equal bit for bit to the rows of ``pipeline.formats.s3d8.decode`` (int8 value x bf16 scale in float32)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, shape,
+                 padding_idx: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = shape
+        cols = -(-self.embedding_dim // 16) * 16
+        self.register_buffer("packed", packed.reshape(-1, cols))
+        self.register_buffer("scale", scale.reshape(-1))
+        self.register_buffer("table", table)
+        self.padding_idx, self.dtype = padding_idx, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from pipeline import native
+        n, d = self.num_embeddings, self.embedding_dim
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], {n} embeddings")
+        flat = ids.reshape(-1)
+        groups, inverse = torch.unique(flat // 3, return_inverse=True)
+        decoded = native.s3d8_decode_int8(self.packed[groups].contiguous(), self.table, (3 * groups.numel(), d))
+        rows = decoded[inverse * 3 + flat % 3].float() * self.scale[flat].float()[:, None]
+        return rows.to(self.dtype).reshape(*ids.shape, d)
+
+
+class Int8RowEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.reshape(-1))
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    def forward(self, ids):
+        flat = ids.reshape(-1)
+        rows = self.weight[flat].float() * self.scale[flat].float()[:, None]
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+class Bf16RowEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    def forward(self, ids):
+        return self.weight[ids].to(self.dtype)
+
+
+def _llama_modules(meta: dict, tensors: dict[str, torch.Tensor]):
+    """``(config dict, format, linear(name) -> module, embedding module)`` of a synthetic Llama file."""
+    from pipeline import native
+
+    cfg, fmt = json.loads(meta["config"]), meta["format"]
+    shapes = {k: tuple(v) for k, v in json.loads(meta["shapes"]).items()}
+
+    def linear(name: str) -> nn.Module:
+        if fmt == "s3d8":
+            return native.S3D8Linear(tensors[f"{name}.packed"], tensors[f"{name}.scale"], tensors[f"{name}.table"],
+                                     shapes[name])
+        if fmt == "int8":
+            return Int8Linear(tensors[f"{name}.int8"], tensors[f"{name}.scale"])
+        return Bf16Linear(tensors[name])
+
+    e = "model.embed_tokens.weight"
+    if fmt == "s3d8":
+        embed = S3D8RowEmbedding(tensors[f"{e}.packed"], tensors[f"{e}.scale"], tensors[f"{e}.table"], shapes[e])
+    elif fmt == "int8":
+        embed = Int8RowEmbedding(tensors[f"{e}.int8"], tensors[f"{e}.scale"])
+    else:
+        embed = Bf16RowEmbedding(tensors[e])
+    return cfg, fmt, linear, embed
+
+
+def _rotary(cfg: dict):
+    """``(inv_freq, attention_scaling)`` exactly as Hugging Face's Llama computes them."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rot = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    return rot.inv_freq.float(), float(rot.attention_scaling)
+
+
+# --- the lean Llama decoder ------------------------------------------------------------------------------------
+
+class LeanLlama:
+    """A Llama decoder over packed tensors: native Linear kernels (S3D8, INT8 or bf16 by file), row
+    embeddings, a preallocated float32 KV cache, logits of the last position only. Batch 1."""
+
+    kind = "llama"
+
+    def __init__(self, path: str | Path, max_len: int | None = None) -> None:
+        meta, tensors = read_tensors(path)
+        cfg, self.format, linear, self.embed = _llama_modules(meta, tensors)
+        self.config = cfg
+        self.n_layers, self.nh, self.nkv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.hd = cfg.get("head_dim") or cfg["hidden_size"] // self.nh
+        self.eps = cfg["rms_norm_eps"]
+        self.context = cfg["max_position_embeddings"]
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}"
+            self.layers.append({
+                "ln1": tensors[f"{p}.input_layernorm.weight"].float(),
+                "ln2": tensors[f"{p}.post_attention_layernorm.weight"].float(),
+                **{k: linear(f"{p}.{m}.weight") for k, m in
+                   (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                    ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                    ("down", "mlp.down_proj"))}})
+        self.norm = tensors["model.norm.weight"].float()
+        self.lm_head = linear("lm_head.weight" if "lm_head.weight" in json.loads(meta["shapes"])
+                              else "model.embed_tokens.weight")
+        self.inv_freq, self.rope_scaling = _rotary(cfg)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.eos = set(cfg["eos_token_id"] if isinstance(cfg.get("eos_token_id"), list) else [cfg.get("eos_token_id")])
+        self.allocate(max_len or 256)
+
+    def allocate(self, max_len: int) -> None:
+        """(Re)allocate the KV cache and RoPE tables for ``max_len`` positions."""
+        self.max_len = max_len
+        self.k_cache = torch.zeros(self.n_layers, 1, self.nkv, max_len, self.hd)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        pos = torch.arange(max_len, dtype=torch.float32)
+        emb = torch.cat([pos[:, None] * self.inv_freq[None]] * 2, dim=-1)
+        self.cos, self.sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * 4
+
+    def _rms(self, x, w):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + self.eps))
+
+    def _rope(self, x, cos, sin):      # x [1, h, T, hd]
+        half = self.hd // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        """Logits (float32 ``[vocab]``) of the last of ``ids`` (1-D), placed at positions ``pos ...``."""
+        t = ids.numel()
+        if pos + t > self.max_len:
+            raise RuntimeInputError(f"{pos + t} positions exceed the KV cache of {self.max_len}")
+        x = self.embed(ids.reshape(-1)).float()                         # [T, h]
+        cos, sin = self.cos[pos:pos + t], self.sin[pos:pos + t]
+        end = pos + t
+        mask = None
+        if t > 1 and pos > 0:
+            mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=pos)
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            q = L["q"](h).view(t, self.nh, self.hd).transpose(0, 1)[None]
+            k = L["k"](h).view(t, self.nkv, self.hd).transpose(0, 1)[None]
+            v = L["v"](h).view(t, self.nkv, self.hd).transpose(0, 1)[None]
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            self.k_cache[i, :, :, pos:end] = k
+            self.v_cache[i, :, :, pos:end] = v
+            a = F.scaled_dot_product_attention(q, self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end],
+                                               attn_mask=mask, is_causal=(t > 1 and pos == 0), enable_gqa=True)
+            x = x + L["o"](a[0].transpose(0, 1).reshape(t, self.nh * self.hd))
+            h = self._rms(x, L["ln2"])
+            x = x + L["down"](F.silu(L["gate"](h)) * L["up"](h))
+        return self.lm_head(self._rms(x[-1:], self.norm))[0]
+
+
+def hf_llama(path: str | Path):
+    """Hugging Face ``LlamaForCausalLM`` over a synthetic packed file, the same native modules swapped in."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    meta, tensors = read_tensors(path)
+    cfg, fmt, linear, embed = _llama_modules(meta, tensors)
+    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.embed_tokens = embed
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(layer.self_attn, m, linear(f"{p}.self_attn.{m}.weight"))
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            setattr(layer.mlp, m, linear(f"{p}.mlp.{m}.weight"))
+        layer.input_layernorm.weight = nn.Parameter(tensors[f"{p}.input_layernorm.weight"].float(), requires_grad=False)
+        layer.post_attention_layernorm.weight = nn.Parameter(tensors[f"{p}.post_attention_layernorm.weight"].float(),
+                                                             requires_grad=False)
+    model.model.norm.weight = nn.Parameter(tensors["model.norm.weight"].float(), requires_grad=False)
+    model.lm_head = linear("lm_head.weight" if "lm_head.weight" in tensors or "lm_head.weight.packed" in tensors
+                           or "lm_head.weight.int8" in tensors else "model.embed_tokens.weight")
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)
+    model.config.tie_word_embeddings = False      # the head is its own module over the same packed bytes
+    model.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    model.eval()
+    return model
+
+
+def hf_mllama(path: str | Path):
+    """The packed S3D8 Mllama on the native kernels, embeddings decoding only the looked-up rows."""
+    from pipeline.packed import LazyPackedEmbedding, load_packed_model
+
+    model = load_packed_model(path, kernel="native", decode="lazy")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LazyPackedEmbedding):
+            t = module.packed_tensors
+            new = S3D8RowEmbedding(t["packed"], t["scale"], t["table"], module.shape, module.padding_idx,
+                                   module.weight_dtype)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    model.weight_bytes = Path(path).stat().st_size
+    return model
+
+
+# --- generation --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Sampling:
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+    """The next token from float32 ``[vocab]`` logits: argmax, or a draw after temperature / top-k / top-p."""
+    if s.greedy:
+        return int(torch.argmax(logits))
+    logits = logits.float() / max(s.temperature, 1e-6)
+    if s.top_k and s.top_k < logits.numel():
+        kth = torch.topk(logits, s.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_l, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_l, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_l, -1) > s.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_s: float               # prompt forward + first token
+    decode_s: float                # the remaining tokens
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_s if self.decode_s and len(self.tokens) > 1 else float("nan")
+
+
+def _finish(tokens, prompt_tokens, t0, stamps) -> Result:
+    if not stamps:
+        return Result(tokens, prompt_tokens, 0.0, 0.0)
+    return Result(tokens, prompt_tokens, stamps[0] - t0, stamps[-1] - stamps[0], stamps)
+
+
+def lean_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling = Sampling(), *,
+                  eos: set[int] | None = None, on_token=None) -> Result:
+    """Our loop: a :class:`LeanLlama`, or an HF model (Mllama) driven directly with its cache."""
+    gen = torch.Generator().manual_seed(sampling.seed)
+    ids = inputs["input_ids"].reshape(-1)
+    n = ids.numel()
+    tokens, stamps = [], []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        if isinstance(model, LeanLlama):
+            if n + max_new_tokens > model.max_len:
+                model.allocate(n + max_new_tokens)
+            logits = model.forward(ids, 0)
+            for step in range(max_new_tokens):
+                tok = pick(logits, sampling, gen)
+                tokens.append(tok)
+                stamps.append(time.perf_counter())
+                if on_token:
+                    on_token(tok)
+                if (eos and tok in eos) or step == max_new_tokens - 1:
+                    break
+                logits = model.forward(torch.tensor([tok]), n + step)
+        else:
+            kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+            cam = kwargs.pop("cross_attention_mask", None)
+            out = model(**kwargs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)
+            for step in range(max_new_tokens):
+                tok = pick(out.logits[0, -1], sampling, gen)
+                tokens.append(tok)
+                stamps.append(time.perf_counter())
+                if on_token:
+                    on_token(tok)
+                if (eos and tok in eos) or step == max_new_tokens - 1:
+                    break
+                out = model(input_ids=torch.tensor([[tok]]), cache=out.cache, use_cache=True, logits_to_keep=1,
+                            cross_attention_mask=None if cam is None else cam[:, -1:])
+    return _finish(tokens, n, t0, stamps)
+
+
+class _Stamps:
+    """A ``generate`` streamer that records when each new token arrives (the first ``put`` is the prompt)."""
+
+    def __init__(self, on_token=None) -> None:
+        self.stamps, self.tokens, self.on_token, self._prompt = [], [], on_token, True
+
+    def put(self, value):
+        if self._prompt:
+            self._prompt = False
+            return
+        self.stamps.append(time.perf_counter())
+        for tok in value.reshape(-1).tolist():
+            self.tokens.append(tok)
+            if self.on_token:
+                self.on_token(tok)
+
+    def end(self):
+        pass
+
+
+def hf_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling = Sampling(), *,
+                eos: set[int] | None = None, on_token=None) -> Result:
+    """Hugging Face ``generate`` (``DynamicCache``) on an HF model, timed per token by a streamer."""
+    if isinstance(model, LeanLlama):
+        raise ValueError("hf_generate needs an HF model: load it with impl='hf'")
+    streamer = _Stamps(on_token)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy, use_cache=True, streamer=streamer,
+                  pad_token_id=0)
+    if sampling.greedy:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+        torch.manual_seed(sampling.seed)
+    if eos:
+        kwargs["eos_token_id"] = sorted(eos)
+    else:
+        kwargs.update(eos_token_id=None, min_new_tokens=max_new_tokens)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(**inputs, **kwargs)
+    return _finish(streamer.tokens, int(inputs["input_ids"].shape[-1]), t0, streamer.stamps)
+
+
+def generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling = Sampling(), *, impl: str = DEFAULT_IMPL,
+             eos: set[int] | None = None, on_token=None) -> Result:
+    if impl not in IMPLS:
+        raise ValueError(f"impl {impl!r}: expected one of {IMPLS}")
+    fn = lean_generate if impl == "lean" or isinstance(model, LeanLlama) else hf_generate
+    return fn(model, inputs, max_new_tokens, sampling, eos=eos, on_token=on_token)
+
+
+def load(path: str | Path, impl: str = DEFAULT_IMPL, max_len: int | None = None):
+    """The model of a packed file for ``impl``: a :class:`LeanLlama` (Llama, lean) or an HF model."""
+    kind, _ = model_kind(path)
+    if kind == "mllama":
+        return hf_mllama(path)
+    return LeanLlama(path, max_len) if impl == "lean" else hf_llama(path)
+
+
+def context_length(model) -> int:
+    if isinstance(model, LeanLlama):
+        return model.context
+    cfg = model.config
+    cfg = getattr(cfg, "text_config", cfg)
+    return int(cfg.max_position_embeddings)
+
+
+# --- CLI -------------------------------------------------------------------------------------------------------------
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:        # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _processor_for(path: Path, meta: dict[str, str], tokenizer: str | None):
+    from pipeline.models import load_processor
+
+    source = tokenizer or meta.get("source_model")
+    if source and Path(source).exists():
+        return load_processor(source)
+    return None
+
+
+def _inputs(kind: str, processor, prompt: str, image: str | None, vocab: int) -> tuple[dict, object]:
+    if kind == "llama":
+        if image:
+            raise RuntimeInputError("--image: this model is a text-only Llama; images need an Mllama file")
+        # no tokenizer ships with a synthetic model: UTF-8 bytes are the tokens (ids 3..258) after BOS 1
+        ids = [1] + [3 + b for b in prompt.encode()]
+        if max(ids) >= vocab:
+            raise RuntimeInputError(f"--prompt: byte tokens need a vocabulary of 259, the model has {vocab}")
+        return {"input_ids": torch.tensor([ids])}, lambda t: f"<{t}>"
+    if processor is None:
+        raise RuntimeInputError("no tokenizer: the file's 'source_model' is not a local directory; pass --tokenizer DIR")
+    from pipeline.chat import chat_prompt
+
+    if image:
+        from PIL import Image
+        try:
+            img = Image.open(image).convert("RGB")
+        except (OSError, ValueError) as e:
+            raise RuntimeInputError(f"--image {image}: cannot read it as an image ({e})") from None
+        text = chat_prompt(processor, prompt)
+        inputs = dict(processor(images=[img], text=[text], return_tensors="pt"))
+    else:
+        messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = dict(processor(text=[text], return_tensors="pt", add_special_tokens=False))
+    inputs = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    return inputs, lambda t: processor.tokenizer.decode([t])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.runtime",
+                                 description="Generate with a packed S3D8 model on the native kernels.")
+    ap.add_argument("model", help="packed model file (.safetensors)")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--image", help="an image file (Mllama models)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="default: the CPUs available")
+    ap.add_argument("--impl", choices=IMPLS, default=DEFAULT_IMPL)
+    ap.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", help="processor directory (default: the file's source_model)")
+    args = ap.parse_args(argv)
+    try:
+        cpus = available_cpus()
+        threads = args.threads if args.threads is not None else cpus
+        if threads < 1 or threads > cpus:
+            raise RuntimeInputError(f"--threads {threads}: this machine gives this process {cpus} CPU(s); "
+                                    f"use 1..{cpus}")
+        if args.max_new_tokens < 1:
+            raise RuntimeInputError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+        path = Path(args.model)
+        kind, fmt = model_kind(path)
+        _, meta, _ = read_header(path)
+        torch.set_num_threads(threads)
+        processor = _processor_for(path, meta, args.tokenizer) if kind == "mllama" else None
+        cfg = json.loads(meta["config"])
+        vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size", 0)
+        inputs, detok = _inputs(kind, processor, args.prompt, args.image, vocab)
+        n = int(inputs["input_ids"].shape[-1])
+        ctx = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+        if ctx and n + args.max_new_tokens > ctx:
+            raise RuntimeInputError(f"--prompt: {n} prompt tokens + {args.max_new_tokens} new tokens exceed the "
+                                    f"model's context of {ctx} tokens")
+        model = load(path, args.impl, max_len=n + args.max_new_tokens)
+    except RuntimeInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    eos = set()
+    if processor is not None:
+        from pipeline.generate import eos_ids
+        eos = eos_ids(model, processor)
+    elif isinstance(model, LeanLlama):
+        eos = {t for t in model.eos if t is not None}
+    sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed)
+    res = generate(model, inputs, args.max_new_tokens, sampling, impl=args.impl, eos=eos,
+                   on_token=lambda t: print(detok(t), end="", flush=True))
+    print()
+    print(f"[{kind} {fmt}, {args.impl}, {threads} thread(s)] prompt {res.prompt_tokens} tokens: "
+          f"{res.prefill_tokens_per_s:.1f} tokens/s; {res.new_tokens} new tokens: "
+          f"{res.decode_tokens_per_s:.2f} tokens/s after the first", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

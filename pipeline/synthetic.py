@@ -1,0 +1,383 @@
+"""Synthetic Llama 3.2 1B- and 3B-class text decoders for end-to-end speed measurements.
+
+Seeded random weights drawn to look trained (issue 15): every 2-D weight is ``Student-t(df=5)`` noise
+(heavy tails, unit variance) times a per-row scale that varies log-normally (sigma 0.5) around the
+usual ``0.02`` init, times a milder log-normal per-column factor (sigma 0.2: the few large input
+channels of trained models); norms are ``1 + N(0, 0.05)``. Nothing here was trained, so the models
+generate gibberish: they exist to measure tokens/s, memory and bandwidth at the real shapes.
+
+The same weights are written in three files, in one streaming pass over row blocks (the fp32 model is
+never in memory: at most one block of ``BLOCK_ELEMS`` weights plus one tensor's output bytes):
+
+- ``s3d8.safetensors``: SPEC section 7 (``P.weight.packed`` / ``.scale`` / ``.table``), every Linear and
+  the (tied) embedding; one centroid table per model, fitted on a sample of the first attention weight
+  (every matrix is drawn from the same family; the format allows a table per matrix);
+- ``int8.safetensors``: per-channel symmetric INT8 (``P.weight.int8`` int8 ``[d_out, d_in]`` and
+  ``P.weight.scale`` bf16 ``[d_out, 1]``, scale ``absmax / 127``), for ``native.int8_matmul``;
+- ``bf16.safetensors``: ``P.weight`` in bf16, for ``native.bf16_matmul``.
+
+Norm weights are stored in float32 in all three. Metadata: ``format``, ``layout``, ``config`` (a
+``LlamaConfig`` dict), ``shapes``, ``synthetic`` (preset, seed). ``write_gguf`` writes the bf16 file as a
+GGUF (llama.cpp's tensor names, Q/K rows permuted as llama.cpp's converter does) for llama.cpp's own
+quantizer. ``python -m pipeline.synthetic synthetic-1b [--out DIR] [--gguf]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+from pipeline.io import atomic_path
+
+BLOCK_ELEMS = 1 << 25          # weights generated at a time (128 MiB of float32)
+STUDENT_DF = 5.0
+ROW_SIGMA, COL_SIGMA, BASE_STD = 0.5, 0.2, 0.02
+FORMATS = ("s3d8", "int8", "bf16")
+DEFAULT_DIR = Path("models/synthetic")
+
+_LLAMA32 = dict(max_position_embeddings=131072, rms_norm_eps=1e-5, vocab_size=128256, tie_word_embeddings=True,
+                bos_token_id=128000, eos_token_id=128001, hidden_act="silu",
+                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192})
+PRESETS: dict[str, dict] = {
+    "synthetic-1b": dict(_LLAMA32, num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    "synthetic-3b": dict(_LLAMA32, num_hidden_layers=28, hidden_size=3072, intermediate_size=8192,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128),
+    # for tests: the same code path at toy size
+    "synthetic-tiny": dict(_LLAMA32, num_hidden_layers=2, hidden_size=96, intermediate_size=192,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=300,
+                           max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                           rope_parameters=dict(_LLAMA32["rope_parameters"], original_max_position_embeddings=256)),
+}
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def llama_config(preset: str | dict):
+    from transformers import LlamaConfig
+
+    cfg = PRESETS[preset] if isinstance(preset, str) else preset
+    return LlamaConfig(**cfg)
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names (Hugging Face ``LlamaForCausalLM``) and shapes, in file order."""
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    dims = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = (h,)
+        for lin in LINEARS:
+            out[f"{p}.{lin}.weight"] = dims[lin.rpartition(".")[2]]
+        out[f"{p}.post_attention_layernorm.weight"] = (h,)
+    out["model.norm.weight"] = (h,)
+    if not cfg.get("tie_word_embeddings", True):
+        out["lm_head.weight"] = (cfg["vocab_size"], h)
+    return out
+
+
+class _Synth:
+    """Deterministic generator of one tensor, row block by row block (seeded by the tensor's name)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], seed: int) -> None:
+        self.name, self.shape = name, shape
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if len(shape) == 2:
+            d_out, d_in = shape
+            self.row = BASE_STD * torch.exp(ROW_SIGMA * torch.randn(d_out, generator=self.gen))
+            self.col = torch.exp(COL_SIGMA * torch.randn(d_in, generator=self.gen))
+            self.pool = 2 * torch._standard_gamma(torch.full((1 << 16,), STUDENT_DF / 2), generator=self.gen)
+
+    def vector(self) -> torch.Tensor:
+        return 1 + 0.05 * torch.randn(self.shape, generator=self.gen)
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0 .. r1`` (call in order): Student-t (df 5, unit variance) x row scale x column factor.
+        A chi-square pool of 65,536 draws per tensor stands in for per-element chi-square draws (speed)."""
+        n = (r1 - r0) * self.shape[1]
+        z = torch.randn(n, generator=self.gen)
+        chi = self.pool[torch.randint(0, self.pool.numel(), (n,), generator=self.gen)]
+        t = z.mul_(chi.div_(STUDENT_DF).rsqrt_()).mul_(math.sqrt((STUDENT_DF - 2) / STUDENT_DF))
+        return t.view(r1 - r0, -1).mul_(self.row[r0:r1, None]).mul_(self.col)
+
+
+def block_rows(shape: tuple[int, int]) -> int:
+    return max(3, BLOCK_ELEMS // shape[1] // 3 * 3)
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int8: "I8", torch.uint8: "U8"}
+
+
+class ChunkedWriter:
+    """A safetensors writer that takes each declared tensor's bytes in pieces, in declared order."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict) -> None:
+        header: dict = {"__metadata__": {k: str(v) for k, v in sorted(metadata.items())}}
+        self.sizes, offset = [], 0
+        for name, dtype, shape in specs:
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.sizes.append((name, nbytes))
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._ctx = atomic_path(path)
+        self._file = open(self._ctx.__enter__(), "wb")
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._i, self._done = 0, 0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want, nbytes = self.sizes[self._i]
+        if name != want:
+            raise ValueError(f"expected {want!r} next, got {name!r}")
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._file.write(data.tobytes())
+        self._done += data.size
+        if self._done > nbytes:
+            raise ValueError(f"{name}: more bytes than declared")
+        if self._done == nbytes:
+            self._i, self._done = self._i + 1, 0
+
+    def close(self, ok: bool = True) -> None:
+        self._file.close()
+        complete = ok and self._i == len(self.sizes)
+        err = RuntimeError("synthetic model file incomplete")
+        self._ctx.__exit__(None if complete else RuntimeError, None if complete else err, None)
+        if ok and not complete:
+            raise err
+
+
+def _specs(fmt: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    from pipeline.formats import s3d8 as s3d8_format
+
+    out = []
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            out.append((name, torch.float32, shape))
+        elif fmt == "s3d8":
+            rows, cols = s3d8_format.packed_shape(shape)
+            out += [(f"{name}.packed", torch.uint8, (rows * cols,)), (f"{name}.scale", torch.bfloat16, (shape[0], 1)),
+                    (f"{name}.table", torch.int8, (32, 3))]
+        elif fmt == "int8":
+            out += [(f"{name}.int8", torch.int8, shape), (f"{name}.scale", torch.bfloat16, (shape[0], 1))]
+        else:
+            out.append((name, torch.bfloat16, shape))
+    return out
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel symmetric INT8: scale = bf16(absmax / 127) (absmax 0 -> smallest normal), q = round(w / scale)."""
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(2.0 ** -126).to(torch.bfloat16)
+    q = torch.round(w / scale.float()).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int = 0,
+                    formats: tuple[str, ...] = FORMATS, progress=None) -> dict[str, Path]:
+    """Write ``out_dir/<preset>/<fmt>.safetensors`` for each format in one pass; returns the paths."""
+    from pipeline import native
+    from pipeline.formats.s3d8 import fit_centroids
+
+    cfg = llama_config(preset).to_dict() if isinstance(preset, str) else preset
+    name = preset if isinstance(preset, str) else "custom"
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    shapes = tensor_shapes(cfg)
+    folder = Path(out_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {f: folder / f"{f}.safetensors" for f in formats}
+    table = None
+    if "s3d8" in formats:   # one table per model, from a sample of the first attention weight
+        first = "model.layers.0.self_attn.q_proj.weight"
+        s = _Synth(first, shapes[first], seed)
+        table = fit_centroids(s.rows(0, min(shapes[first][0], block_rows(shapes[first]))), seed=seed,
+                              max_vectors=1 << 16)
+    writers = {}
+    for f in formats:
+        meta = {"format": f, "layout": {"s3d8": "llama-mobile-s3d8-packed-v1", "int8": "s3d8-pipeline-int8-rows-v1",
+                                        "bf16": "bf16"}[f],
+                "config": json.dumps(cfg, sort_keys=True, default=str),
+                "shapes": json.dumps({k: list(v) for k, v in shapes.items() if len(v) == 2}, sort_keys=True),
+                "synthetic": json.dumps({"preset": name, "seed": seed, "student_df": STUDENT_DF,
+                                         "row_sigma": ROW_SIGMA, "col_sigma": COL_SIGMA, "base_std": BASE_STD})}
+        if f == "s3d8":
+            meta["llama_mobile_format"] = "llama-mobile-s3d8-packed-v1"
+        writers[f] = ChunkedWriter(paths[f], _specs(f, shapes), meta)
+    ok = False
+    try:
+        for tname, shape in shapes.items():
+            if progress:
+                progress(tname)
+            s = _Synth(tname, shape, seed)
+            if len(shape) == 1:
+                v = s.vector()
+                for w in writers.values():
+                    w.write(tname, v)
+                continue
+            rows = block_rows(shape)
+            scales = {f: [] for f in formats}
+            for r0 in range(0, shape[0], rows):
+                block = s.rows(r0, min(r0 + rows, shape[0]))
+                if "s3d8" in writers:
+                    packed, sc = native.s3d8_encode(block, table)
+                    writers["s3d8"].write(f"{tname}.packed", packed)
+                    scales["s3d8"].append(sc)
+                if "int8" in writers:
+                    q, sc = int8_rows(block)
+                    writers["int8"].write(f"{tname}.int8", q)
+                    scales["int8"].append(sc)
+                if "bf16" in writers:
+                    writers["bf16"].write(tname, block.to(torch.bfloat16))
+                del block
+            for f in ("s3d8", "int8"):
+                if f in writers:
+                    writers[f].write(f"{tname}.scale", torch.cat(scales[f]))
+            if "s3d8" in writers:
+                writers["s3d8"].write(f"{tname}.table", table)
+        ok = True
+    finally:
+        for w in writers.values():
+            w.close(ok)
+    return paths
+
+
+# --- GGUF for llama.cpp -------------------------------------------------------------------------------------
+
+def _permute_rope(w, n_head: int):
+    """Hugging Face -> llama.cpp row order of q/k (``convert_hf_to_gguf.LlamaModel.permute``)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_freq_factors(cfg: dict):
+    import numpy as np
+
+    rp = cfg.get("rope_parameters") or {}
+    if rp.get("rope_type") != "llama3":
+        return None
+    dim, base = cfg["head_dim"], rp["rope_theta"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_wl = rp["original_max_position_embeddings"] / rp["low_freq_factor"]
+    high_wl = rp["original_max_position_embeddings"] / rp["high_freq_factor"]
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(1.0)
+        elif wl > low_wl:
+            out.append(rp["factor"])
+        else:
+            smooth = (rp["original_max_position_embeddings"] / wl - rp["low_freq_factor"]) / (
+                rp["high_freq_factor"] - rp["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / rp["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(bf16_path: str | Path, out: str | Path) -> Path:
+    """The bf16 synthetic file as a GGUF (``gguf`` package; llama.cpp names, a vocabulary of placeholder
+    tokens so llama.cpp loads it). Tensor by tensor: memory is one tensor."""
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    out = Path(out)
+    with safe_open(str(bf16_path), "pt") as f:
+        cfg = json.loads(f.metadata()["config"])
+        shapes = tensor_shapes(cfg)
+        writer = gguf.GGUFWriter(str(out) + ".tmp", "llama")
+        writer.add_name("synthetic")
+        writer.add_block_count(cfg["num_hidden_layers"])
+        writer.add_context_length(cfg["max_position_embeddings"])
+        writer.add_embedding_length(cfg["hidden_size"])
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_head_count(cfg["num_attention_heads"])
+        writer.add_head_count_kv(cfg["num_key_value_heads"])
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_rope_dimension_count(cfg["head_dim"])
+        writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        writer.add_vocab_size(cfg["vocab_size"])
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+        n = cfg["vocab_size"]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([f"<t{i}>".encode() for i in range(n)])
+        writer.add_token_scores([0.0] * n)
+        writer.add_token_types([gguf.TokenType.NORMAL] * n)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+        sub = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+        plan = []
+        factors = _rope_freq_factors(cfg)
+        if factors is not None:
+            plan.append(("rope_freqs.weight", None, factors))
+        for name, shape in shapes.items():
+            if name in names:
+                g = names[name]
+            else:
+                i = int(name.split(".")[2])
+                g = f"blk.{i}.{sub[name.split('.', 3)[3].rsplit('.', 1)[0]]}.weight"
+            plan.append((g, name, None))
+        for g, name, arr in plan:
+            if arr is not None:
+                writer.add_tensor_info(g, arr.shape, arr.dtype, arr.nbytes)
+                continue
+            shape = shapes[name]
+            if len(shape) == 1:
+                writer.add_tensor_info(g, shape, np.dtype(np.float32), 4 * shape[0])
+            else:
+                writer.add_tensor_info(g, shape, np.dtype(np.uint16), 2 * math.prod(shape),
+                                       raw_dtype=gguf.GGMLQuantizationType.BF16)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for g, name, arr in plan:
+            if arr is None:
+                t = f.get_tensor(name)
+                if t.dtype == torch.bfloat16:
+                    arr = t.view(torch.int16).numpy().view(np.uint16)
+                    if ".q_proj." in name:
+                        arr = _permute_rope(arr, cfg["num_attention_heads"])
+                    elif ".k_proj." in name:
+                        arr = _permute_rope(arr, cfg["num_key_value_heads"])
+                else:
+                    arr = t.float().numpy()
+            writer.write_tensor_data(np.ascontiguousarray(arr))
+        writer.close()
+    os.replace(str(out) + ".tmp", out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("preset", choices=sorted(PRESETS))
+    ap.add_argument("--out", default=str(DEFAULT_DIR))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--gguf", action="store_true", help="also write <preset>/bf16.gguf (needs the gguf package)")
+    args = ap.parse_args(argv)
+    paths = write_synthetic(args.preset, args.out, seed=args.seed, formats=tuple(args.formats.split(",")),
+                            progress=lambda n: print(n, flush=True) if n.endswith("q_proj.weight") else None)
+    for f, p in paths.items():
+        print(f"{f}: {p} ({p.stat().st_size / 1e6:.1f} MB)")
+    if args.gguf:
+        print(write_gguf(paths["bf16"], Path(args.out) / args.preset / "bf16.gguf"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""Generation runtime (issue 15): native kernels straight from packed bytes, lean loop vs HF generate,
+same tokens as the torch path, synthetic models, CLI errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pipeline import formats, runtime
+from pipeline.checkpoint import CheckpointReader
+from pipeline.formats import s3d8 as s3d8_format
+from pipeline.synthetic import write_gguf, write_synthetic
+from tests.conftest import tiny_inputs
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth")
+    return write_synthetic("synthetic-tiny", out, seed=0)
+
+
+def test_synthetic_files_hold_the_same_weights(synth):
+    with safe_open(str(synth["bf16"]), "pt") as b, safe_open(str(synth["int8"]), "pt") as i, \
+            safe_open(str(synth["s3d8"]), "pt") as s:
+        meta = s.metadata()
+        assert meta["llama_mobile_format"] == "llama-mobile-s3d8-packed-v1"
+        name = "model.layers.1.mlp.down_proj.weight"
+        shape = tuple(json.loads(meta["shapes"])[name])
+        ref = b.get_tensor(name).float()
+        w8 = i.get_tensor(f"{name}.int8").float() * i.get_tensor(f"{name}.scale").float()
+        w3 = s3d8_format.decode(s.get_tensor(f"{name}.packed"), s.get_tensor(f"{name}.scale"),
+                                s.get_tensor(f"{name}.table"), shape)
+        rel = lambda w: float((w - ref).norm() / ref.norm())  # noqa: E731
+        assert rel(w8) < 0.02 and rel(w3) < 0.3
+        kurt = ((ref / ref.std(1, keepdim=True)) ** 4).mean()
+        assert kurt > 3.5, "heavy tails (Student-t)"
+    again = write_synthetic("synthetic-tiny", synth["bf16"].parent.parent / "again", seed=0, formats=("s3d8",))
+    assert again["s3d8"].read_bytes() == synth["s3d8"].read_bytes(), "seeded, deterministic"
+
+
+@pytest.mark.parametrize("fmt", ["s3d8", "int8", "bf16"])
+def test_lean_llama_equals_hf_llama_on_the_same_kernels(synth, fmt):
+    lean, hf = runtime.LeanLlama(synth[fmt], 64), runtime.hf_llama(synth[fmt])
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = lean.forward(ids[0], 0), hf(input_ids=ids).logits[0, -1]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    greedy_lean = runtime.generate(lean, {"input_ids": ids}, 12, impl="lean")
+    greedy_hf = runtime.generate(hf, {"input_ids": ids}, 12, impl="hf")
+    assert greedy_lean.tokens == greedy_hf.tokens and len(greedy_lean.tokens) == 12
+    s = runtime.Sampling(greedy=False, temperature=0.9, top_k=40, top_p=0.9, seed=3)
+    one = runtime.generate(lean, {"input_ids": ids}, 12, s)
+    assert one.tokens == runtime.generate(lean, {"input_ids": ids}, 12, s).tokens, "seeded sampling repeats"
+    assert all(0 <= t < 300 for t in one.tokens)
+    assert one.decode_tokens_per_s > 0 and one.prefill_tokens_per_s > 0
+
+
+def test_s3d8_lean_llama_equals_the_torch_fake_quant_reference(synth):
+    """The lean decoder on native kernels vs HF Llama with decoded weights and fake-quantised INT8
+    activations (the QAT forward): the same greedy tokens."""
+    from pipeline.packed import PackedLinear
+
+    lean = runtime.LeanLlama(synth["s3d8"], 64)
+    ref = runtime.hf_llama(synth["s3d8"])
+    for name, module in list(ref.named_modules()):
+        if type(module).__name__ == "S3D8Linear":
+            w = s3d8_format.decode(module.packed, module.scale, module.table, module.shape)
+            parent, _, leaf = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, leaf, PackedLinear(w, None, act_quant=True))
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    assert runtime.generate(lean, {"input_ids": ids}, 10).tokens == runtime.generate(ref, {"input_ids": ids}, 10,
+                                                                                      impl="hf").tokens
+
+
+def test_row_embedding_decodes_only_what_it_needs_and_equals_decode():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(301, 40, generator=gen)
+    table = s3d8_format.fit_centroids(w, seed=0, max_vectors=4096)
+    packed, scale = s3d8_format.encode(w, table)
+    emb = runtime.S3D8RowEmbedding(packed, scale, table, (301, 40))
+    full = s3d8_format.decode(packed, scale, table, (301, 40))
+    ids = torch.tensor([[300, 0, 5, 5, 299], [1, 2, 3, 150, 151]])
+    assert torch.equal(emb(ids), full[ids])
+    with pytest.raises(IndexError):
+        emb(torch.tensor([301]))
+
+
+@pytest.fixture(scope="module")
+def packed_toy(tmp_path_factory, tiny_checkpoint):
+    from pipeline.models import load_model, meta_model, quantised_weight_names
+    from pipeline.packed import write_packed
+
+    reader = CheckpointReader(tiny_checkpoint)
+    teacher = load_model(str(tiny_checkpoint), torch.float32)
+    names = quantised_weight_names(meta_model(teacher.config))
+    fmt = formats.get("s3d8")
+    states = {s.removesuffix(".weight"): fmt.fit(reader.get(s)) for s in names.values()}
+    out = tmp_path_factory.mktemp("packed") / "s3d8.safetensors"
+    write_packed(out, reader, fmt, states, dtype=torch.float32, metadata={"config": teacher.config.to_dict()})
+    return out
+
+
+def test_packed_mllama_runs_native_and_gives_the_torch_paths_tokens(packed_toy):
+    from pipeline import native
+    from pipeline.packed import load_packed_model
+
+    model = runtime.hf_mllama(packed_toy)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "S3D8Linear" in kinds and "S3D8RowEmbedding" in kinds
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules()), "every Linear native"
+    assert any(isinstance(m, native.S3D8Linear) and m.shape[0] == 60 for m in model.modules()), "lm_head native"
+    torch_model = load_packed_model(packed_toy, kernel="torch")
+    inputs = {k: v[:1] for k, v in tiny_inputs(batch=1, length=7).items()}
+    with torch.no_grad():
+        ref = torch_model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                   min_new_tokens=10, pad_token_id=0)[0, 7:].tolist()
+    lean = runtime.generate(model, inputs, 10, impl="lean")
+    hf = runtime.generate(model, inputs, 10, impl="hf")
+    assert lean.tokens == ref and hf.tokens == ref
+    text_only = {"input_ids": inputs["input_ids"][:, 2:]}
+    with torch.no_grad():
+        ref = torch_model.generate(**text_only, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                   min_new_tokens=6, pad_token_id=0)[0, 5:].tolist()
+    assert runtime.generate(model, text_only, 6).tokens == ref
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "pipeline.runtime", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_generates_and_reports_tokens_per_s(synth):
+    p = _cli(synth["s3d8"], "--prompt", "hello", "--max-new-tokens", "5", "--threads", "1")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("<") == 5 and "tokens/s" in p.stderr
+
+
+def test_cli_bad_input_is_one_line(synth, tmp_path, packed_toy):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a model")
+    for args, needle in [((junk, "--prompt", "x"), "not a safetensors file"),
+                         ((synth["s3d8"].parent / "missing.safetensors", "--prompt", "x"), "no such file"),
+                         ((synth["s3d8"], "--prompt", "x" * 600), "exceed the model's context of 512"),
+                         ((synth["s3d8"], "--prompt", "x", "--threads", "4096"), "--threads 4096"),
+                         ((synth["s3d8"], "--prompt", "x", "--image", junk), "text-only Llama"),
+                         ((packed_toy, "--prompt", "x"), "no tokenizer")]:
+        p = _cli(*args)
+        assert p.returncode == 2, (args, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (args, p.stderr)
+
+
+def test_cli_refuses_other_packed_formats(tiny_checkpoint, tmp_path):
+    from pipeline.models import load_model, meta_model, quantised_weight_names
+    from pipeline.packed import write_packed
+
+    reader = CheckpointReader(tiny_checkpoint)
+    teacher = load_model(str(tiny_checkpoint), torch.float32)
+    names = quantised_weight_names(meta_model(teacher.config))
+    fmt = formats.get("int")
+    states = {s.removesuffix(".weight"): fmt.fit(reader.get(s)) for s in names.values()}
+    out = tmp_path / "int.safetensors"
+    write_packed(out, reader, fmt, states, metadata={"config": teacher.config.to_dict()})
+    p = _cli(out, "--prompt", "x")
+    assert p.returncode == 2 and "not a packed S3D8 model" in p.stderr and "kernel='torch'" in p.stderr
+
+
+def test_gguf_of_the_synthetic_weights(synth, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    out = write_gguf(synth["bf16"], tmp_path / "m.gguf")
+    r = gguf.GGUFReader(str(out))
+    names = {t.name: t for t in r.tensors}
+    assert "token_embd.weight" in names and "blk.1.ffn_down.weight" in names and "output.weight" not in names
+    assert names["blk.0.attn_q.weight"].tensor_type.name == "BF16"
