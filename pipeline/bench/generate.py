@@ -176,8 +176,20 @@ def _child_llama_cpp(spec: dict) -> dict:
 
 def child(spec: dict) -> dict:
     out = _child_llama_cpp(spec) if spec["impl"] == "llama.cpp" else _child_native(spec)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mb"] = peak_rss_mb()
     return out
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``, which a child
+    inherits from the parent it was forked from)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def measure(spec: dict, timeout: int = 1800) -> dict:
@@ -321,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = [int(t) for t in args.threads.split(",")]
     load_before = [round(x, 2) for x in os.getloadavg()]
-    bw = read_bandwidth()
+    bw = read_bandwidth()      # the 1 GiB buffer is freed before any child starts
     records, notes = [], []
     jobs = []
     for model in args.models.split(","):
