@@ -56,9 +56,14 @@ def direct_cast(name: str, weight, *, method: str | None = None, importance=None
     """The decoded ``float32`` weight a packer writes for format ``name`` cast by the post-training
     ``method`` (``"absmax"``, ``"search"``, ``"gptq"``; None: ``pipeline.ptq.DEFAULT_METHOD``), bit for bit.
     ``importance`` (``diag(X^T X)`` per input channel) or ``hessian`` (``X^T X``) weight the error; see
-    ``pipeline.ptq``. ``get(name).quantize`` stays the QAT forward (absmax)."""
-    from pipeline import ptq
+    ``pipeline.ptq``. ``get(name).quantize`` stays the QAT forward (absmax).
 
+    ``pipeline.ptq`` is imported by name at call time, so that the stages importing ``pipeline.formats``
+    do not all gain it as a DVC dependency (``pipeline.depgraph`` reads import statements): a stage that
+    calls ``direct_cast`` imports ``pipeline.ptq`` itself, which puts it in that stage's deps."""
+    import importlib
+
+    ptq = importlib.import_module("pipeline.ptq")
     return ptq.direct_cast(name, weight, method=method, importance=importance, hessian=hessian, seed=seed)
 
 
