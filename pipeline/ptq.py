@@ -389,12 +389,13 @@ def scalar_gptq(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int =
 def pack(name: str, weight: torch.Tensor, *, method: str | None = None, importance: torch.Tensor | None = None,
          hessian: torch.Tensor | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
     """The packed tensors (``{suffix: tensor}``, as ``formats.get(name).pack`` lays them out) of ``weight``
-    cast to format ``name`` by ``method`` (None: ``DEFAULT_METHOD``). What a packer writes."""
+    cast to format ``name`` by ``method`` (None: ``DEFAULT_METHOD``; ``absmax``, the only one, for the formats
+    outside the comparison: int8, bf16). What a packer writes."""
     from pipeline import formats
 
     fmt = formats.get(name)
     check_weight(weight)
-    method = check_method(method)
+    method = check_method("absmax" if method is None and not fmt.comparison else method)
     d_out, d_in = weight.shape
     importance = check_importance(importance, d_in)
     hessian = check_hessian(hessian, d_in)
@@ -431,8 +432,14 @@ def direct_cast(name: str, weight: torch.Tensor, *, method: str | None = None,
     ``formats.get(name).unpack(pack(...), weight.shape)``."""
     from pipeline import formats
 
+    fmt = formats.get(name)
+    if fmt.layout is None:           # int8, bf16: no packed file; their one cast is the fake-quant forward
+        check_weight(weight)
+        if check_method("absmax" if method is None else method) != "absmax":
+            raise ValueError(f"method {method!r}: format {name!r} has only 'absmax'")
+        return fmt.quantize(weight.detach().float(), fmt.fit(weight, seed=seed))
     tensors = pack(name, weight, method=method, importance=importance, hessian=hessian, seed=seed)
-    return formats.get(name).unpack(tensors, tuple(weight.shape))
+    return fmt.unpack(tensors, tuple(weight.shape))
 
 
 # --- calibration ----------------------------------------------------------------------------------

@@ -66,6 +66,10 @@ def test_absmax_cast_equals_the_qat_forward():
         fmt = formats.get(name)
         q = formats.direct_cast(name, W, method="absmax")
         assert torch.equal(q, fmt.quantize(W, fmt.fit(W))), name
+    int8 = formats.get("int8")
+    assert torch.equal(formats.direct_cast("int8", W), int8.quantize(W, int8.fit(W)))
+    with pytest.raises(ValueError, match="method 'search'"):
+        formats.direct_cast("int8", W, method="search")
 
 
 @pytest.mark.parametrize("name", ["int", "student_t", "lloyd_max"])
