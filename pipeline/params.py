@@ -167,6 +167,7 @@ SECTIONS: dict[str, str] = {
     "pack": "pipeline.packed:PackParams",
     "eval": "pipeline.eval.suite:EvalParams",
     "bench": "pipeline.bench:BenchParams",
+    "launch": "pipeline.launch:LaunchParams",
 }
 """Every key of ``params.yaml`` and the schema that validates it (imported only to validate)."""
 

@@ -4,10 +4,14 @@ Student = the teacher's weights in fp32 with every quantised module fake-quantis
 fitted state; loss = KL(teacher || student) summed over response tokens, divided by the response-token
 count of the global batch (all micro-batches, all processes); AdamW (0.9, 0.95), weight decay 0, cosine
 schedule without warm-up, lr = 2^-(b + 14) unless set. Runs under ``accelerate`` (one process by
-default); checkpoints every N steps and resumes from the last one when the fingerprint matches.
+default, DDP on several: ``python -m pipeline.launch``), or with the student sharded by FSDP2
+(``launch.strategy: fsdp2``, ``pipeline.qat.distributed``); checkpoints every N steps and resumes from the last
+one when the fingerprint matches.
 
-Checkpoints hold no pickle: tensors (model, optimizer moments) in safetensors, everything else (step, history,
-optimizer hyper-parameters, fingerprint) in its JSON metadata. A checkpoint that cannot be read, or that was
+Checkpoints hold no pickle: under DDP (and on one process) tensors (model, optimizer moments) in safetensors,
+everything else (step, history, optimizer hyper-parameters, fingerprint) in its JSON metadata; under FSDP2 a
+``torch.distributed.checkpoint`` directory (``<name>.dcp/``: each rank's shards, resharded on load to another
+process count) with ``meta.json``. A checkpoint that cannot be read, or that was
 written for other parameters or data, is reported and training starts afresh.
 """
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +30,8 @@ import torch
 from pipeline.checkpoint import write_tensors
 from pipeline.formats import FormatBase
 from pipeline.io import atomic_dir
+from pipeline.launch import LaunchParams, resolve_backend
+from pipeline.launch import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor, states_by_module
 from pipeline.params import bounded, non_negative, positive
 from pipeline.qat.api import prepare
@@ -83,36 +91,50 @@ def check(p: QATParams, examples: list[Example], processes: int) -> int:
 
 
 def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str, examples: list[Example],
-          p: QATParams, out_dir: str | Path, checkpoint: str | Path, live_dir: str | Path, fingerprint: str) -> dict:
-    from accelerate import Accelerator
+          p: QATParams, out_dir: str | Path, checkpoint: str | Path, live_dir: str | Path, fingerprint: str,
+          launch: LaunchParams | None = None) -> dict:
+    """Train and save the student. ``launch``: the launch settings (default: those ``pipeline.launch`` handed
+    over, else the ``launch`` section of ``params.yaml``): ``strategy`` ddp runs under ``accelerate`` (DDP
+    when several processes), fsdp2 shards the student (``pipeline.qat.distributed``)."""
     from dvclive import Live
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    micro = check(p, examples, accelerator.num_processes)
+    launch = launch if launch is not None else launch_settings()
+    if launch.strategy == "fsdp2":
+        engine = _FSDP2(launch)
+    else:
+        engine = _Accelerate(launch)
+    micro = check(p, examples, engine.world)
     torch.manual_seed(p.seed)
     processor = load_processor(teacher_source)
-    teacher = load_model(teacher_source, dtype_of(teacher_dtype)).to(accelerator.device)
+    teacher = engine.teacher(load_model(teacher_source, dtype_of(teacher_dtype)))
     teacher.requires_grad_(False)
     student = load_model(teacher_source, torch.float32)
     prepare(student, fmt, states_by_module(student, states), act_quant=p.act_quant)
     student.train()
+    if launch.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     bits = average_bits(student, fmt)
     lr = p.lr if p.lr is not None else recipe_lr(bits)
+    student = engine.wrap(student)
     optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
-    student, optimizer = accelerator.prepare(student, optimizer)
+    student, optimizer = engine.prepare(student, optimizer)
+    main = engine.rank == 0
 
     start, history = 0, []
-    checkpoint = Path(checkpoint)
+    checkpoint = engine.checkpoint_path(Path(checkpoint))
+    engine.sweep(checkpoint)
     if checkpoint.exists():
         try:
-            start, history = _load_checkpoint(checkpoint, accelerator.unwrap_model(student), optimizer, fingerprint)
-            if accelerator.is_main_process:
+            start, history = engine.load(checkpoint, student, optimizer, fingerprint)
+            if main:
                 console.print(f"qat-train {fmt.name}: resuming at step {start} from {checkpoint}")
         except ValueError as e:
-            if accelerator.is_main_process:
+            if type(e).__name__ == "ReshardError":    # pipeline.qat.distributed: stop, naming the checkpoint
+                raise
+            if main:
                 console.print(f"qat-train {fmt.name}: {e}; starting afresh")
 
-    live = Live(str(live_dir), resume=False, save_dvc_exp=False, dvcyaml=None) if accelerator.is_main_process else None
+    live = Live(str(live_dir), resume=False, save_dvc_exp=False, dvcyaml=None) if main else None
     if live:
         for record in history:                      # a resumed run re-logs what the checkpoint holds
             _log(live, record)
@@ -124,52 +146,169 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
             for group in optimizer.param_groups:
                 group["lr"] = step_lr
             picked = batch_indices(len(examples), p.batch_size, step, p.seed)
-            mine = picked[accelerator.process_index::accelerator.num_processes]
+            mine = picked[engine.rank::engine.world]
             batches = [collate([examples[i] for i in mine[a * micro:(a + 1) * micro]], processor, p.max_seq_len)
                        for a in range(p.grad_accum)]
-            local_tokens = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=accelerator.device)
-            global_tokens = accelerator.reduce(local_tokens, "sum").item()
+            local_tokens = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=engine.device)
+            global_tokens = engine.reduce_sum(local_tokens).item()
             kl_total = 0.0
             for a, batch in enumerate(batches):
-                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                batch = {k: v.to(engine.device) for k, v in batch.items()}
                 mask = batch.pop("loss_mask")
                 with torch.no_grad():
-                    t_logits = teacher(**{**batch, "pixel_values": batch["pixel_values"].to(teacher.dtype)}).logits
+                    t_logits = teacher(**{**batch, "pixel_values": batch["pixel_values"].to(engine.teacher_dtype)}).logits
                 s_logits = student(**batch).logits
                 kl = response_kl_sum(s_logits, t_logits, mask)
-                # DDP averages gradients over processes; scale back to a sum over the global batch.
-                loss = kl / max(global_tokens, 1) * accelerator.num_processes
-                sync = a == len(batches) - 1
-                if sync:
-                    accelerator.backward(loss)
-                else:
-                    with accelerator.no_sync(student):
-                        accelerator.backward(loss)
+                # DDP and FSDP2 average gradients over processes; scale back to a sum over the global batch.
+                loss = kl / max(global_tokens, 1) * engine.world
+                engine.backward(student, loss, sync=a == len(batches) - 1)
                 kl_total += kl.item()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            kl_sum = accelerator.reduce(torch.tensor(kl_total, device=accelerator.device), "sum").item()
+            kl_sum = engine.reduce_sum(torch.tensor(kl_total, device=engine.device)).item()
             record = {"step": step + 1, "kl": kl_sum / max(global_tokens, 1), "lr": step_lr,
                       "tokens": int(global_tokens)}
             history.append(record)
             if live:
                 _log(live, record)
             bar.update(task, completed=step + 1, description=f"qat {fmt.name} kl {record['kl']:.4f}")
-            if (step + 1) % p.checkpoint_every == 0 and step + 1 < p.steps and accelerator.is_main_process:
-                _save_checkpoint(checkpoint, accelerator.unwrap_model(student), optimizer, step + 1, history, fingerprint)
-            accelerator.wait_for_everyone()
+            if (step + 1) % p.checkpoint_every == 0 and step + 1 < p.steps:
+                engine.save(checkpoint, student, optimizer, step + 1, history, fingerprint)
+            engine.barrier()
     seconds = time.perf_counter() - began
     summary = {}
-    if accelerator.is_main_process:
-        model = accelerator.unwrap_model(student)
-        _save_student(model, processor, out_dir)
+    engine.save_student(student, processor, out_dir)
+    if main:
         first = history[0]["kl"] if history else float("nan")
         last = sum(r["kl"] for r in history[-10:]) / max(len(history[-10:]), 1)
         summary = {"lr": lr, "bits_per_param": bits, "kl_first": first, "kl_last10": last}
-        console.print(f"qat-train {fmt.name}: {p.steps - start} steps in {seconds:.0f} s")
+        console.print(f"qat-train {fmt.name}: {p.steps - start} steps in {seconds:.0f} s on {engine.world} "
+                      f"process(es), {launch.strategy}")
         live.end()
-        checkpoint.unlink(missing_ok=True)       # the finished student is the output now
+    engine.finish(checkpoint)                     # the finished student is the output now
     return summary
+
+
+class _Accelerate:
+    """``launch.strategy: ddp``: one process (exactly the original loop), or DDP under ``accelerate``."""
+
+    def __init__(self, launch: LaunchParams) -> None:
+        from accelerate import Accelerator
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group(resolve_backend(launch.backend))   # accelerate joins this group
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.device = self.accelerator.device
+
+    def teacher(self, model):
+        self.teacher_dtype = model.dtype
+        return model.to(self.device)
+
+    def wrap(self, student):
+        return student
+
+    def prepare(self, student, optimizer):
+        return self.accelerator.prepare(student, optimizer)
+
+    def checkpoint_path(self, path: Path) -> Path:
+        return path
+
+    def sweep(self, path: Path) -> None:
+        pass
+
+    def load(self, path, student, optimizer, fingerprint):
+        return _load_checkpoint(path, self.accelerator.unwrap_model(student), optimizer, fingerprint)
+
+    def save(self, path, student, optimizer, step, history, fingerprint) -> None:
+        if self.accelerator.is_main_process:
+            _save_checkpoint(path, self.accelerator.unwrap_model(student), optimizer, step, history, fingerprint)
+
+    def reduce_sum(self, tensor):
+        return self.accelerator.reduce(tensor, "sum")
+
+    def backward(self, student, loss, sync: bool) -> None:
+        if sync:
+            self.accelerator.backward(loss)
+        else:
+            with self.accelerator.no_sync(student):
+                self.accelerator.backward(loss)
+
+    def barrier(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    def save_student(self, student, processor, out_dir) -> None:
+        if self.accelerator.is_main_process:
+            _save_student(self.accelerator.unwrap_model(student), processor, out_dir)
+
+    def finish(self, checkpoint: Path) -> None:
+        if self.accelerator.is_main_process:
+            checkpoint.unlink(missing_ok=True)
+
+
+class _FSDP2:
+    """``launch.strategy: fsdp2``: the student sharded per layer (``pipeline.qat.distributed``)."""
+
+    def __init__(self, launch: LaunchParams) -> None:
+        from pipeline.qat import distributed
+
+        self.d = distributed
+        self.launch = launch
+        distributed.init_process_group(resolve_backend(launch.backend))
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.device = distributed.device()
+
+    def teacher(self, model):
+        self.teacher_dtype = model.dtype
+        if self.launch.teacher == "shard":
+            return self.d.shard(model)
+        return model.to(self.device)
+
+    def wrap(self, student):
+        dtype = torch.bfloat16 if self.launch.compute_dtype == "bfloat16" else None
+        return self.d.shard(student, dtype)
+
+    def prepare(self, student, optimizer):
+        return student, optimizer
+
+    def checkpoint_path(self, path: Path) -> Path:
+        return path.with_suffix(".dcp")
+
+    def sweep(self, path: Path) -> None:
+        if self.rank == 0:
+            self.d.sweep(path)
+        self.barrier()
+
+    def load(self, path, student, optimizer, fingerprint):
+        return self.d.load(path, student, optimizer, fingerprint)
+
+    def save(self, path, student, optimizer, step, history, fingerprint) -> None:
+        self.d.save(path, student, optimizer, step, history, fingerprint)
+
+    def reduce_sum(self, tensor):
+        torch.distributed.all_reduce(tensor)
+        return tensor
+
+    def backward(self, student, loss, sync: bool) -> None:
+        student.set_requires_gradient_sync(sync)
+        loss.backward()
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+    def save_student(self, student, processor, out_dir) -> None:
+        state = self.d.full_state_dict(student)          # collective; rank 0 holds it, on CPU
+        if self.rank == 0:
+            with atomic_dir(out_dir) as tmp:
+                student.save_pretrained(tmp, state_dict=state)
+                processor.save_pretrained(tmp)
+        del state
+        self.barrier()
+
+    def finish(self, checkpoint: Path) -> None:
+        if self.rank == 0:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+        self.barrier()
 
 
 def _log(live, record: dict) -> None:

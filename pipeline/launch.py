@@ -1,0 +1,162 @@
+"""Launch a stage script on one process or several, from the ``launch`` section of ``params.yaml``.
+
+    python -m pipeline.launch stages/qat_train.py --format s3d8      # what dvc.yaml runs
+    dvc exp run -S launch.num_processes=2 -S launch.strategy=fsdp2     # the same stages on 2 processes
+
+With ``launch.num_processes: 1`` (the default) the script is exec'd directly, exactly as
+``python stages/qat_train.py`` would run it. With N > 1 it is exec'd under ``torchrun``
+(``python -m torch.distributed.run``), which starts N ranks (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the
+environment); the scripts pick them up through ``accelerate`` (DDP) or ``pipeline.qat.distributed`` (FSDP2).
+The process-group backend is gloo on CPU and NCCL on GPU (``launch.backend: auto``).
+
+``launch.config_file`` names a torchrun topology file for several machines (``configs/launch/*.torchrun.yaml``:
+``num_machines``, ``main_address``, ``main_port``, ``rdzv_id``; the machine's rank from ``$MACHINE_RANK``);
+``launch.num_processes`` counts the processes of all machines together. The resolved settings are handed to
+the script in ``$PIPELINE_LAUNCH`` (JSON), so a script reads the same settings the launcher used.
+
+A script that does not split its work across processes (``SINGLE_PROCESS``) runs on one process whatever
+``launch.num_processes`` says, with a note: N copies of it would only repeat the same work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pipeline.params import ParamsError, from_dict, load_yaml, non_negative, positive
+
+ENV = "PIPELINE_LAUNCH"
+
+SINGLE_PROCESS = {
+    "stages/eval.py": "pipeline/eval/suite.py scores every model on this process (it does not split models "
+                      "across processes yet)",
+}
+"""Scripts that run on one process only, and why."""
+
+
+@dataclass
+class LaunchParams:
+    num_processes: int = positive(1)           # all machines together; 1: the script runs directly, no torchrun
+    config_file: str | None = None             # torchrun topology for several machines (configs/launch/*.torchrun.yaml)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"     # auto: nccl on GPU, gloo on CPU
+    strategy: Literal["ddp", "fsdp2"] = "ddp"  # qat-train: replicated student (DDP) or sharded (FSDP2)
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"   # fsdp2: the dtype of the gathered weights
+    gradient_checkpointing: bool = False       # qat-train: recompute activations in the backward pass
+    teacher: Literal["replicate", "shard"] = "replicate"       # fsdp2: the frozen teacher whole on every rank, or sharded
+
+
+@dataclass
+class Topology:
+    """A torchrun topology file (``launch.config_file``)."""
+    num_machines: int = positive(1)
+    main_address: str = "127.0.0.1"
+    main_port: int = positive(29500)
+    rdzv_id: str = "s3d8"
+    machine_rank: int | None = non_negative(None)   # null: $MACHINE_RANK (or $NODE_RANK), else 0
+
+
+def resolve_backend(backend: str) -> str:
+    if backend != "auto":
+        return backend
+    import torch
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def settings(params_path: str | Path = "params.yaml") -> LaunchParams:
+    """The launch settings of this run: those the launcher handed over (``$PIPELINE_LAUNCH``), else the
+    ``launch`` section of ``params_path`` when it exists, else the defaults (one process, DDP)."""
+    if os.environ.get(ENV):
+        return from_dict(LaunchParams, json.loads(os.environ[ENV]), prefix="launch")
+    return from_file(params_path)
+
+
+def from_file(params_path: str | Path) -> LaunchParams:
+    """The ``launch`` section of ``params_path`` (the defaults when the file or the section is absent)."""
+    if Path(params_path).is_file():
+        doc = load_yaml(params_path) or {}
+        if isinstance(doc, dict) and "launch" in doc:
+            return from_dict(LaunchParams, doc["launch"] or {}, prefix="launch")
+    return LaunchParams()
+
+
+def read_topology(path: str | Path) -> Topology:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"parameter 'launch.config_file': {path} not found")
+    try:
+        doc = load_yaml(path)
+    except Exception as e:  # noqa: BLE001  (any YAML error)
+        raise ParamsError(f"parameter 'launch.config_file': {path} is not valid YAML ({e})") from None
+    return from_dict(Topology, doc or {}, prefix=f"launch.config_file {path}:")
+
+
+def single_process(script: str) -> str | None:
+    """Why ``script`` runs on one process only (None: it splits its work across processes)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        key = Path(script).resolve().relative_to(root).as_posix()
+    except ValueError:
+        key = Path(script).as_posix()
+    return SINGLE_PROCESS.get(key)
+
+
+def command(script: str, args: list[str], p: LaunchParams) -> list[str]:
+    """The command line that runs ``script`` under the settings ``p``."""
+    if p.num_processes < 1:
+        raise ParamsError(f"parameter 'launch.num_processes': {p.num_processes} must be >= 1")
+    processes = 1 if single_process(script) else p.num_processes
+    if p.config_file is None and processes == 1:
+        return [sys.executable, script, *args]
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if p.config_file is None:
+        return [*run, "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes), script, *args]
+    topo = read_topology(p.config_file)
+    if processes % topo.num_machines:
+        raise ParamsError(f"parameter 'launch.num_processes'={processes} is not a multiple of num_machines="
+                          f"{topo.num_machines} in {p.config_file}")
+    rank = topo.machine_rank
+    if rank is None:
+        rank = int(os.environ.get("MACHINE_RANK", os.environ.get("NODE_RANK", "0")))
+    if not 0 <= rank < topo.num_machines:
+        raise ParamsError(f"machine rank {rank} is outside [0, {topo.num_machines}) ({p.config_file})")
+    return [*run, "--nnodes", str(topo.num_machines), "--node-rank", str(rank),
+            "--nproc-per-node", str(processes // topo.num_machines), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{topo.main_address}:{topo.main_port}", "--rdzv-id", topo.rdzv_id, script, *args]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    params_path = "params.yaml"
+    if argv[:1] == ["--params"] and len(argv) > 1:       # the launcher's own --params, before the script
+        params_path, argv = argv[1], argv[2:]
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[0] + "\n\nusage: python -m pipeline.launch [--params FILE] SCRIPT [ARGS...]")
+        raise SystemExit(0 if argv else 2)
+    script, args = argv[0], argv[1:]
+    if "--params" in args[:-1]:                        # the script's --params is the launcher's too
+        params_path = args[args.index("--params") + 1]
+    try:
+        from pipeline import params
+        params.read(params_path)                       # the whole file, validated: one line naming a bad key
+        p = from_file(params_path)
+        if not Path(script).is_file():
+            raise FileNotFoundError(f"{script}: script not found")
+        cmd = command(script, args, p)
+    except (ParamsError, FileNotFoundError, ValueError) as e:
+        print(f"launch: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if single_process(script) and p.num_processes > 1:
+        print(f"launch: {script} runs on one process ({single_process(script)})", file=sys.stderr)
+    os.environ[ENV] = json.dumps(dataclasses.asdict(p))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
