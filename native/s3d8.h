@@ -47,7 +47,8 @@ extern "C" {
 /* float32 -> bfloat16 bits, round to nearest even. */
 uint16_t s3d8_bf16_from_f32(float x);
 float s3d8_f32_from_bf16(uint16_t b);
-/* bf16(absmax(row) / 127), or 1.0 for an all-zero row (SPEC sections 1 and 2). */
+/* A weight row's scale, SPEC section 1: bf16(max(absmax(row) / 127, 2^-126)) (an all-zero row gets
+ * 2^-126 and decodes to ~0). Activations keep SPEC section 2's rule (absmax 0 -> 1). */
 uint16_t s3d8_channel_scale_bf16(const float *row, size_t n);
 /* The three signed lookup tables of SPEC section 1: luts[0..63] = L0 (sign-minor),
  * luts[64..127] = L1 (sign-major), luts[128..191] = L2 (sign-minor). table is T[32][3]. */

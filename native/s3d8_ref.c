@@ -4,6 +4,7 @@
  * 127 * 127 * k < 2^31, i.e. k <= S3D8_K_MAX = 133,144; the drivers refuse larger k).
  * Non-finite input follows the policy in s3d8.h: a row with NaN/Inf -> zeros and x_scale = NaN,
  * a non-finite channel scale -> NaN (s3d8_w_scale_f32). */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -35,7 +36,10 @@ uint16_t s3d8_channel_scale_bf16(const float *row, size_t n) {
         float a = fabsf(row[i]);
         if (a > absmax) absmax = a;
     }
-    return s3d8_bf16_from_f32(s3d8_scale_from_absmax(absmax));
+    float scale = absmax / 127.0f;
+    /* SPEC section 1 (the reference packer's rule): never below the smallest normal float, 2^-126 (exact
+     * in bf16), so an all-zero row decodes to ~0 rather than to table values */
+    return s3d8_bf16_from_f32(scale < FLT_MIN ? FLT_MIN : scale);
 }
 
 void s3d8_luts_from_table(const int8_t table[96], int8_t luts[192]) {

@@ -56,15 +56,17 @@ def eos_ids(model, processor) -> set[int]:
 
 
 @torch.inference_mode()
-def generate_shard(model, processor, table: pa.Table, p: GenerateParams, shard_seed: int, on_batch=None) -> list[dict]:
-    """The teacher's answers to one shard of prompts (sampled, seeded per batch)."""
+def generate_shard(model, processor, table: pa.Table, p: GenerateParams, shard_seed: int, on_batch=None,
+                   pool: str | None = None) -> list[dict]:
+    """The teacher's answers to one shard of prompts (sampled, seeded per batch); with ``pool`` (the
+    ``sample.images`` spec) every image reference must lie inside that pool."""
     rows = table.to_pylist()
     stop = eos_ids(model, processor)
     pad = processor.tokenizer.pad_token_id
     out = []
     for b, start in enumerate(range(0, len(rows), p.batch_size)):
         batch = rows[start:start + p.batch_size]
-        inputs = processor(images=[[load_image(r["image_ref"])] for r in batch], text=[r["prompt"] for r in batch],
+        inputs = processor(images=[[load_image(r["image_ref"], pool)] for r in batch], text=[r["prompt"] for r in batch],
                            add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
         inputs = inputs.to(model.device)
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
@@ -116,7 +118,7 @@ def plan(p: GenerateParams, teacher: TeacherParams, in_dir: str | Path, work: Pa
 
 
 def run(p: GenerateParams, teacher: TeacherParams, in_dir: str | Path, out_dir: str | Path,
-        work: Path = WORK_DIR) -> dict:
+        work: Path = WORK_DIR, pool: str | None = None) -> dict:
     """Answer every prompt shard of ``in_dir`` into ``out_dir``; returns the answers' diversity statistics."""
     from accelerate import Accelerator
 
@@ -138,7 +140,7 @@ def run(p: GenerateParams, teacher: TeacherParams, in_dir: str | Path, out_dir: 
             for j in mine:
                 table, _ = read_shard(j.source, PROMPT_COLUMNS)
                 rows = generate_shard(model, processor, table, p, p.seed * 100_003 + j.index,
-                                      on_batch=lambda n: bar.advance(task, n))
+                                      on_batch=lambda n: bar.advance(task, n), pool=pool)
                 meta = {"stage": "teacher-generate", "fingerprint": j.fingerprint, "params": asdict(p),
                         "teacher": teacher_identity(teacher), "input": j.source.name, **versions()}
                 write_shard(j.target, pa.Table.from_pylist(rows), meta)

@@ -342,14 +342,15 @@ def weight_bytes(directory: str | os.PathLike) -> int:
 def write_model_dir(out: str | os.PathLike, source: CheckpointReader, fmt, states: dict[str, dict], *,
                     teacher_dir: str | os.PathLike, method: str, base_model: str, teacher_name: str,
                     dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None,
-                    max_shard_size: int = MAX_SHARD_SIZE, progress=None) -> dict:
+                    max_shard_size: int = MAX_SHARD_SIZE, progress=None, encode=None) -> dict:
     """Write the Hugging Face directory of one packed model into ``out`` (an empty directory the caller
     makes atomic). Returns :func:`write_packed`'s summary with ``file_bytes`` the weight files' total."""
     from transformers import AutoProcessor, GenerationConfig
 
     out, teacher_dir = Path(out), Path(teacher_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = write_packed(out / WEIGHTS_NAME, source, fmt, states, dtype=dtype, metadata=metadata, progress=progress)
+    summary = write_packed(out / WEIGHTS_NAME, source, fmt, states, dtype=dtype, metadata=metadata, progress=progress,
+                           encode=encode)
     files = shard(out, max_shard_size)
     summary["file_bytes"] = weight_bytes(out)
     summary["files"] = files

@@ -66,3 +66,9 @@ def states_by_module(model, states: dict[str, dict]) -> dict[str, dict]:
     mapping = quantised_weight_names(model)
     return {module: states[saved.removesuffix(".weight")] for module, saved in mapping.items()
             if saved.removesuffix(".weight") in states}
+
+
+def token_ids(config) -> int:
+    """How many token ids a prompt may hold: the text vocabulary and, for Mllama, the image token (added after
+    the vocabulary: its id may equal the text vocabulary size)."""
+    return max(config.get_text_config().vocab_size, getattr(config, "image_token_index", -1) + 1)

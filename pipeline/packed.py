@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 
 import torch
@@ -24,9 +25,6 @@ from pipeline import formats
 from pipeline.checkpoint import _DTYPES as _DTYPE_NAMES
 from pipeline.checkpoint import CheckpointReader, StreamingWriter, module_to_checkpoint_names
 from pipeline.formats import FormatBase
-from pipeline.formats import s3d8 as s3d8_format
-from pipeline.formats import scalar as scalar_format
-from pipeline.formats.base import ceil_div, round_up
 from pipeline.quant import fake_quant_activations
 from pipeline.recipe import Quantised, quantised_modules, replace
 
@@ -35,10 +33,14 @@ PACKED_VERSION = "1"
 
 def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, states: dict[str, dict],
                  *, dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict:
+                 progress: Callable[[str], None] | None = None,
+                 encode: Callable[[torch.Tensor, dict], dict[str, torch.Tensor]] | None = None) -> dict:
     """Pack the checkpoint ``source``: weights named ``P.weight`` with an entry ``P`` in ``states``
-    are encoded in ``fmt``; every other tensor is copied in ``dtype`` (if floating point).
-    Streams one tensor at a time. Returns a summary (sizes, bits per parameter)."""
+    are encoded in ``fmt`` (by ``encode(weight, state)``, default ``fmt.pack``: a post-training method such
+    as ``pipeline.ptq``'s scale search may choose other scales and tables, the layout is the same); every
+    other tensor is copied in ``dtype`` (if floating point). Streams one tensor at a time. Returns a
+    summary (sizes, bits per parameter)."""
+    encode = encode or fmt.pack
     quantised = {f"{module}.weight": module for module in states}
     missing = sorted(name for name in quantised if name not in source)
     if missing:
@@ -79,7 +81,7 @@ def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, sta
                     cache.clear()
                     if progress:
                         progress(base)
-                    cache[base] = fmt.pack(source.get(base), states[quantised[base]])
+                    cache[base] = encode(source.get(base), states[quantised[base]])
                 writer.write(name, cache[base][suffix])
             else:
                 t = source.get(name)
@@ -124,20 +126,8 @@ _ROW_BLOCK_ELEMS = 1 << 20      # weights decoded at a time when validating or g
 
 def _row_block(fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int], r0: int,
                r1: int) -> tuple[dict[str, torch.Tensor], tuple[int, int]] | None:
-    """The packed tensors of rows ``r0 .. r1`` (``r0`` a multiple of 3) of a weight, as a weight of its
-    own: decoding them gives exactly those rows of the whole decoded weight (both layouts decode
-    element by element). None for a layout this function does not know (the caller decodes all)."""
-    d_out, d_in = shape
-    if fmt.layout == s3d8_format.LAYOUT:
-        cols = round_up(d_in, s3d8_format.COL_ALIGN)
-        g0, g1 = r0 // s3d8_format.GROUP, ceil_div(r1, s3d8_format.GROUP)
-        return ({"packed": tensors["packed"].reshape(-1)[g0 * cols:g1 * cols], "scale": tensors["scale"][r0:r1],
-                 "table": tensors["table"]}, (r1 - r0, d_in))
-    if fmt.layout == scalar_format.LAYOUT:
-        b0 = r0 * d_in // 3
-        return ({"codes": tensors["codes"].reshape(-1)[b0:b0 + ceil_div((r1 - r0) * d_in, 3)],
-                 "scale": tensors["scale"][r0:r1], "codepoints": tensors["codepoints"]}, (r1 - r0, d_in))
-    return None
+    """Rows ``r0 .. r1`` of a packed weight as a weight of their own (``fmt.row_block``), or None."""
+    return fmt.row_block(tensors, shape, r0, r1)
 
 
 def _block_rows(shape: tuple[int, int]) -> int:
@@ -532,3 +522,4 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
 @dataclass
 class PackParams:
     dtype: str = "bfloat16"      # of the tensors that are not quantised
+    method: Literal["absmax", "search"] = "search"   # the direct cast's post-training method (pipeline.ptq)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import yaml
 
-DEFAULT_POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "prompt_pool.yaml"
+_REPO_POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "prompt_pool.yaml"
+DEFAULT_POOL = _REPO_POOL if _REPO_POOL.exists() else Path(__file__).resolve().parent / "data" / "prompt_pool.yaml"
+"""The repository's pool, or the copy an installed package carries."""
 
 
 @dataclass(frozen=True)

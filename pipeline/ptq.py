@@ -207,7 +207,7 @@ def s3d8_search(weight: torch.Tensor, importance: torch.Tensor | None = None, *,
     w = weight.detach().float()
     h = _weights(importance, w.shape[1])
     table = s3d8.fit_centroids(weight, seed=seed) if table is None else s3d8.check_table(table)
-    absmax_scale = channel_scale(w)
+    absmax_scale = s3d8.weight_scale(w)
     _, err = _s3d8_row_errors(w, table, absmax_scale, h)
     best = (float(err.double().sum()), table, absmax_scale)
     scale = None

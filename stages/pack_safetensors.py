@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from pipeline import formats, params
+from pipeline import formats, params, ptq
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import check_states
 from pipeline.hf import write_model_dir
@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> None:
             for method, source in (("direct-cast", teacher_dir), ("qat", f"models/qat/{fmt.name}")):
                 with progress() as bar:
                     task = bar.add_task(f"pack {fmt.name} {method}", total=len(states))
-                    summary = write_model_dir(out / method, CheckpointReader(source), fmt, states,
+                    # the direct cast by the chosen post-training method; the QAT student as it was trained (absmax)
+                    encode = (lambda w, state: ptq.pack(fmt.name, w, method=p.method)) if method == "direct-cast" \
+                        else None
+                    summary = write_model_dir(out / method, CheckpointReader(source), fmt, states, encode=encode,
                                               teacher_dir=teacher_dir, method=method, base_model=teacher.source,
                                               teacher_name=teacher.name, dtype=dtype_of(p.dtype),
                                               metadata={"config": config, "method": method,

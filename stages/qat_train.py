@@ -19,6 +19,7 @@ import pipeline.toy  # noqa: F401  (the `toy` image pool the teacher's answers r
 from pipeline import formats, params
 from pipeline.fit import check_states
 from pipeline.io import write_json
+from pipeline.models import load_config, token_ids
 from pipeline.qat.data import load_examples, split_heldout
 from pipeline.qat.train import QATParams, train
 from pipeline.shards import file_hash, fingerprint, shard_paths
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         set_threads(p.threads)
         state_file = Path(f"data/centroids/{fmt.name}.safetensors")
         states = check_states(fmt, fmt.load_states(state_file), state_file)
-        train_set, _ = split_heldout(load_examples(args.teacher_data), heldout)
+        vocab = token_ids(load_config(teacher.source))
+        train_set, _ = split_heldout(load_examples(args.teacher_data, vocab), heldout)
         fp = fingerprint(asdict(p) | {"threads": None, "checkpoint_every": None}, fmt.name, file_hash(state_file),
                          [file_hash(s) for s in shard_paths(args.teacher_data)], heldout,
                          file_hash(local_dir(teacher.source) / "config.json"))

@@ -30,11 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", default="reports/teacher_generate.json")
     args = parser.parse_args(argv)
     with stage_errors("teacher-generate"):
-        p = params.load(GenerateParams, "generate", args.params)
-        teacher = params.load(TeacherParams, "teacher", args.params)
+        doc = params.read(args.params)
+        p: GenerateParams = doc["generate"]
+        teacher: TeacherParams = doc["teacher"]
         set_threads(p.threads)
         began = time.perf_counter()
-        stats = run(p, teacher, args.prompts, args.out)
+        stats = run(p, teacher, args.prompts, args.out, pool=doc["sample"].images)
         if stats:
             write_json(args.report, stats)
             run_log("teacher-generate", seconds=round(time.perf_counter() - began, 1))

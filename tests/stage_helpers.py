@@ -75,22 +75,33 @@ def run_stage(cwd: Path, script: str, *args: str, check: bool = True) -> subproc
 
 _KILL_AFTER = """
 import importlib, os, runpy, signal, sys
-module, name = sys.argv[1].rsplit(".", 1)
-module = importlib.import_module(module)
-original = getattr(module, name)
+target, calls = sys.argv[1], int(sys.argv[2])
+module, _, attr = target.partition(":")
+if not attr:
+    module, attr = module.rsplit(".", 1)
+owner = importlib.import_module(module)
+*path, name = attr.split(".")
+for part in path:
+    owner = getattr(owner, part)
+original = getattr(owner, name)
+count = [0]
 def then_die(*args, **kwargs):
     original(*args, **kwargs)
-    os.kill(os.getpid(), signal.SIGKILL)
-setattr(module, name, then_die)
-sys.argv = sys.argv[2:]
+    count[0] += 1
+    if count[0] == calls:
+        os.kill(os.getpid(), signal.SIGKILL)
+setattr(owner, name, then_die)
+sys.argv = sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_stage_killed_after(cwd: Path, function: str, script: str, *args: str) -> subprocess.CompletedProcess:
-    """Run a stage that is killed (SIGKILL) right after its first call of ``function`` (a dotted name such as
-    ``pipeline.shards.write_shard``) returns: a crash at a known point, whatever the speed of the machine."""
-    proc = subprocess.run([sys.executable, "-c", _KILL_AFTER, function, str(REPO / "stages" / script), *args],
+def run_stage_killed_after(cwd: Path, function: str, script: str, *args: str, calls: int = 1) -> subprocess.CompletedProcess:
+    """Run a stage that is killed (SIGKILL) right after its ``calls``-th call of ``function`` returns (a dotted
+    name such as ``pipeline.shards.write_shard``, or ``module:Class.method`` such as
+    ``pipeline.checkpoint:StreamingWriter.write``, a kill in the middle of writing a file): a crash at a known
+    point, whatever the speed of the machine."""
+    proc = subprocess.run([sys.executable, "-c", _KILL_AFTER, function, str(calls), str(REPO / "stages" / script), *args],
                           cwd=cwd, env=_env(), capture_output=True, text=True)
     if proc.returncode != -9:
         raise AssertionError(f"{script} was not killed after {function} ({proc.returncode}):\n{proc.stderr}")

@@ -44,7 +44,7 @@ H = X.T @ X / X.shape[0]
 def test_encode_with_absmax_scale_equals_encode():
     table = s3d8.fit_centroids(W)
     packed, scale = s3d8.encode(W, table)
-    packed2, scale2 = s3d8.encode_with_scale(W, table, channel_scale(W))
+    packed2, scale2 = s3d8.encode_with_scale(W, table, s3d8.weight_scale(W))
     assert torch.equal(packed, packed2) and torch.equal(scale, scale2)
     assert torch.equal(bits(s3d8.quantize_with_scale(W, table, scale)), bits(s3d8.quantize(W, table, use_native=False)))
 
@@ -144,7 +144,7 @@ def test_nan_is_rejected_naming_the_argument():
     h[0, 1] = h[1, 0] = float("inf")
     with pytest.raises(ValueError, match="hessian"):
         formats.direct_cast("s3d8", W, method="gptq", hessian=h)
-    scale = channel_scale(W).clone()
+    scale = s3d8.weight_scale(W).clone()
     scale[0] = float("nan")
     with pytest.raises(ValueError, match="scale"):
         s3d8.encode_with_scale(W, s3d8.fit_centroids(W), scale)

@@ -46,7 +46,7 @@ def test_chain_outputs(chain):
     assert result["models"]["s3d8-qat"]["bpp"] == pytest.approx(
         json.loads((chain / "reports/pack/s3d8.json").read_text())["qat"]["bits_per_param_nominal"])
     assert result["models"]["s3d8-qat"]["kl"] > 0 and result["models"]["bf16-teacher"]["kl"] == 0
-    with safe_open(str(chain / "models/packed/s3d8/qat.safetensors"), "pt") as f:
+    with safe_open(str(chain / "models/packed/s3d8/qat/model.safetensors"), "pt") as f:
         assert f.metadata()["llama_mobile_format"] == "llama-mobile-s3d8-packed-v1"
     assert (chain / "reports/summary.md").read_text().count("| s3d8-") == 2
     assert (chain / "reports/eval_plot.png").stat().st_size > 1000
@@ -157,3 +157,40 @@ def test_corrupt_shard_is_named(chain, tmp_path, teacher):
     victim.write_bytes(victim.read_bytes()[:100])
     proc = run_stage(cwd, "qat_train.py", "--format", "s3d8", check=False)
     assert proc.returncode == 1 and "shard-00002.parquet" in proc.stderr
+
+
+def _outputs(root: Path) -> dict[str, str]:
+    """sha256 of every file the DVC outputs hold (data, models, reports), as DVC would hash them."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for top in ("data", "models", "reports") for p in sorted((root / top).rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+def test_every_output_is_byte_reproducible(chain, tmp_path, teacher):
+    cwd = workdir(tmp_path, teacher)
+    for script, *args in CHAIN:
+        run_stage(cwd, script, *args)
+    first, second = _outputs(chain), _outputs(cwd)
+    assert first.keys() == second.keys()
+    assert [k for k in first if first[k] != second[k]] == []
+
+
+@pytest.mark.parametrize("stage, function, calls", [
+    (("fit_centroids.py", "--format", "s3d8"), "pipeline.checkpoint:StreamingWriter.write", 3),
+    (("sample_prompts.py",), "pipeline.shards.write_shard", 1),
+    (("pack_safetensors.py", "--format", "s3d8"), "pipeline.checkpoint:StreamingWriter.write", 5),
+])
+def test_a_kill_inside_a_write_leaves_nothing_and_a_rerun_gives_the_same_outputs(chain, tmp_path, teacher,
+                                                                               stage, function, calls):
+    cwd = workdir(tmp_path, teacher)
+    for part in ("data/centroids", "data/sampled", "data/teacher", "models/qat"):
+        if (chain / part).exists() and stage[0] not in ("sample_prompts.py",):
+            shutil.copytree(chain / part, cwd / part)
+    run_stage_killed_after(cwd, function, *stage, calls=calls)
+    run_stage(cwd, *stage)
+    debris = [p for top in ("data", "models", "reports") for p in (cwd / top).rglob(".*") if "prompts" not in p.parts]
+    assert debris == [], debris
+    ref, now = _outputs(chain), _outputs(cwd)
+    assert [k for k in now if k in ref and now[k] != ref[k]] == []

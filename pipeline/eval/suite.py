@@ -10,7 +10,7 @@ from pipeline import formats
 from pipeline.eval.kl import HeldoutKL
 from pipeline.eval.runner import evaluate
 from pipeline.eval.tasks import family_of, load_task
-from pipeline.models import dtype_of, load_model, load_processor
+from pipeline.models import dtype_of, load_model, load_processor, token_ids
 from pipeline.packed import check_kernel, load_packed_model, read_metadata
 from pipeline.params import non_negative, positive
 from pipeline.qat.data import load_examples, split_heldout
@@ -61,7 +61,7 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int, 
     processor = load_processor(teacher_p.source)
     teacher = load_model(teacher_p.source, dtype_of(teacher_p.dtype))
     tasks = {name: load_task(name, p.n, p.seed, p.sources.get(name)) for name in p.tasks}
-    _, held = split_heldout(load_examples(teacher_data), heldout)
+    _, held = split_heldout(load_examples(teacher_data, token_ids(teacher.config)), heldout)
     kl = HeldoutKL(teacher, processor, held, p.kl_batch_size, p.max_seq_len)
     models, answers = {}, Path(answers)
 

@@ -97,6 +97,13 @@ class FormatBase:
         """Decode packed tensors back to the ``float32 [d_out, d_in]`` weight (equal to :meth:`quantize`)."""
         raise ValueError(f"format {self.name!r} has no packed layout")
 
+    def row_block(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int], r0: int,
+                  r1: int) -> tuple[dict[str, torch.Tensor], tuple[int, int]] | None:
+        """The packed tensors of rows ``r0 .. r1`` of a weight (``r0`` a multiple of 3) as a weight of their
+        own, so that decoding them gives exactly those rows of the whole decoded weight; None when the
+        layout cannot be sliced by rows (the caller then decodes the whole weight)."""
+        return None
+
     def file_metadata(self) -> dict[str, str]:
         """Extra metadata a packed file of this format carries (e.g. an interoperability marker)."""
         return {}

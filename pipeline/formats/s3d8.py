@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from pipeline.formats.base import FormatBase, PackedSpecs, State, ceil_div, check_shape, check_weight, round_up
-from pipeline.quant import channel_scale, straight_through
+from pipeline.quant import straight_through
 
 NAME = "s3d8"
 N_CENTROIDS = 32
@@ -104,21 +104,29 @@ def _iter_assign(weight, table, scale):
         yield g0, q, v < 0
 
 
+SMALLEST_SCALE = 2.0 ** -126
+"""The smallest normal float (exact in bf16): the scale of an all-zero row (SPEC section 1), so it decodes to ~0."""
+
+
+def weight_scale(weight: torch.Tensor) -> torch.Tensor:
+    """SPEC section 1's channel scale of a weight row, ``bf16(max(absmax / 127, 2^-126))`` (the reference
+    packer's rule; ``[d_out, 1]`` bf16): an all-zero row gets 2^-126 and decodes to about 0. Activations keep
+    ``pipeline.quant.channel_scale`` (absmax 0 -> 1, SPEC section 2)."""
+    absmax = weight.detach().float().abs().amax(dim=-1, keepdim=True)
+    return torch.clamp(absmax / 127, min=SMALLEST_SCALE).to(torch.bfloat16)
+
+
 def encode(weight: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``weight [d_out, d_in]``: ``(packed uint8 [ceil(d_out/3), pad16(d_in)], scale bf16 [d_out, 1])``."""
     check_weight(weight)
     table = check_table(table)
-    scale = channel_scale(weight)
+    scale = weight_scale(weight)
     packed = torch.empty(packed_shape(weight.shape), dtype=torch.uint8, device=weight.device)
     for g0, q, signs in _iter_assign(weight, table, scale):
         s = signs.to(torch.int64)
         byte = (q << 1) | s[..., 0] | (s[..., 1] << 6) | ((s[..., 0] ^ s[..., 2]) << 7)
         packed[g0:g0 + q.shape[0]] = byte.to(torch.uint8)
     return packed, scale
-
-
-SMALLEST_SCALE = 2.0 ** -126
-"""The smallest normal bf16: the scale a searched all-zero row gets (SPEC section 1), so it decodes to ~0."""
 
 
 def check_scale(scale: torch.Tensor, d_out: int) -> torch.Tensor:
@@ -151,7 +159,7 @@ def encode_with_scale(weight: torch.Tensor, table: torch.Tensor,
 
     Codes are the nearest centroid (same float arithmetic as :func:`encode`) of ``|W / scale|``; values
     beyond 127 (a clipping scale) are not clamped first: the nearest centroid of the unclamped vector is
-    the one with the smallest reconstruction error. ``encode_with_scale(w, t, channel_scale(w))`` equals
+    the one with the smallest reconstruction error. ``encode_with_scale(w, t, weight_scale(w))`` equals
     ``encode(w, t)`` bit for bit. Returns ``(packed, scale bf16 [d_out, 1])``."""
     check_weight(weight)
     table = check_table(table)
@@ -240,7 +248,7 @@ def quantize(weight: torch.Tensor, table: torch.Tensor, *, use_native: bool | No
         packed, scale = native.s3d8_encode(weight.detach().float().contiguous(), table)
         w = native.s3d8_decode_int8(packed, table, (d_out, d_in)).float() * scale.float()
         return straight_through(weight, w.to(weight.dtype))
-    scale = channel_scale(weight)
+    scale = weight_scale(weight)
     t = table.float().to(weight.device)
     n_groups, d_in_padded = packed_shape(weight.shape)
     out = torch.empty(n_groups, GROUP, d_in_padded, dtype=torch.float32, device=weight.device)
@@ -265,7 +273,7 @@ def _vectors_sample(weight: torch.Tensor, max_vectors: int, seed: int) -> torch.
     d_out, d_in = weight.shape
     n_groups = ceil_div(d_out, GROUP)
     total = n_groups * d_in
-    scale = channel_scale(weight).float()
+    scale = weight_scale(weight).float()
     if total <= max_vectors:
         index = torch.arange(total)
     else:
@@ -383,6 +391,12 @@ class S3D8(FormatBase):
 
     def file_metadata(self) -> dict[str, str]:
         return {"llama_mobile_format": LAYOUT}
+
+    def row_block(self, tensors, shape, r0: int, r1: int):
+        cols = round_up(shape[1], COL_ALIGN)
+        g0, g1 = r0 // GROUP, ceil_div(r1, GROUP)
+        return ({"packed": tensors["packed"].reshape(-1)[g0 * cols:g1 * cols], "scale": tensors["scale"][r0:r1],
+                 "table": tensors["table"]}, (r1 - r0, shape[1]))
 
     def native_linear(self, tensors: dict[str, torch.Tensor], shape, bias: torch.Tensor | None):
         """An ``nn.Module`` running the packed bytes on the native kernels (INT8 activations per token)."""

@@ -192,3 +192,9 @@ class Scalar6(FormatBase):
 
     def unpack(self, tensors: dict[str, torch.Tensor], shape) -> torch.Tensor:
         return decode(tensors["codes"], tensors["scale"], tensors["codepoints"], self.block, shape)
+
+    def row_block(self, tensors, shape, r0: int, r1: int):
+        d_in = shape[1]
+        b0 = r0 * d_in // 3                       # r0 is a multiple of 3: a whole byte
+        return ({"codes": tensors["codes"].reshape(-1)[b0:b0 + ceil_div((r1 - r0) * d_in, 3)],
+                 "scale": tensors["scale"][r0:r1], "codepoints": tensors["codepoints"]}, (r1 - r0, d_in))
