@@ -1,7 +1,8 @@
 """The project modules a script imports, followed transitively: what its DVC stage must list as deps.
 
-``python -m pipeline.depgraph stages/eval.py`` prints them; ``tests/test_dvc_graph.py`` checks that every
-stage of ``dvc.yaml`` lists each one (a file, or a directory holding it). Imports are read from the source
+``python -m pipeline.depgraph stages/eval.py`` prints them; ``python -m pipeline.depgraph --update dvc.yaml``
+rewrites each stage's project deps (keeping its other deps, and the file's comments); ``tests/test_dvc_graph.py``
+checks that every stage of ``dvc.yaml`` lists each one (a file, or a directory holding it). Imports are read from the source
 (every ``import`` statement, including those inside functions), not executed.
 """
 
@@ -60,8 +61,55 @@ def project_imports(script: str | Path) -> list[str]:
     return sorted(files)
 
 
+def collapsed(files: list[str]) -> list[str]:
+    """``files`` with each package directory whose every module is listed written as the directory."""
+    out = set(files)
+    for init in sorted(f for f in files if f.endswith("/__init__.py")):
+        package = init.rsplit("/", 1)[0]
+        modules = {str(p.relative_to(ROOT)) for p in (ROOT / package).glob("*.py")}
+        if modules <= out and not any(d.startswith(package + "/") for d in out if (ROOT / d).is_dir()):
+            out = (out - modules) | {package}
+    return sorted(out)
+
+
+def command_imports(cmd: str) -> list[str]:
+    """Project files a stage command runs: its script's imports and, for ``python -m pipeline.X SCRIPT``
+    (the launcher), the module's too."""
+    import re
+
+    files = set(project_imports(re.search(r"stages/\w+\.py", cmd).group(0)))
+    for module in re.findall(r"-m (pipeline(?:\.\w+)+)", cmd):
+        files.update(project_imports(_module_file(module).relative_to(ROOT)))
+    return sorted(files)
+
+
+def update(dvc_yaml: str | Path) -> None:
+    """Rewrite the project-file deps of every stage of ``dvc_yaml`` from its script's imports."""
+    import io
+
+    from ruamel.yaml import YAML
+
+    from pipeline.io import write_text
+
+    rt = YAML()
+    rt.width = 110
+    rt.indent(mapping=2, sequence=4, offset=2)
+    doc = rt.load(Path(dvc_yaml).read_text())
+    for stage in doc["stages"].values():
+        deps = stage["deps"]
+        other = [d for d in deps if not str(d).startswith(("pipeline/", "stages/", "native/"))]
+        deps.clear()
+        deps.extend(collapsed(command_imports(stage["cmd"])) + other)
+    out = io.StringIO()
+    rt.dump(doc, out)
+    write_text(dvc_yaml, out.getvalue())
+
+
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        print(f"{arg}:")
-        for f in project_imports(arg):
-            print(f"  - {f}")
+    if sys.argv[1:2] == ["--update"]:
+        update(sys.argv[2] if len(sys.argv) > 2 else "dvc.yaml")
+    else:
+        for arg in sys.argv[1:]:
+            print(f"{arg}:")
+            for f in project_imports(arg):
+                print(f"  - {f}")

@@ -1,6 +1,6 @@
 """DVC stage qat-train: train one format's quantised student by distillation from the teacher.
 
-    python stages/qat_train.py --format s3d8          # or: accelerate launch stages/qat_train.py --format s3d8
+    python -m pipeline.launch stages/qat_train.py --format s3d8    # launch.num_processes from params.yaml
 
 Writes the student's fp32 master weights to ``models/qat/<format>/``, per-step loss / KL / lr as DVC
 plots (DVCLive) in ``reports/qat/<format>/``, and a summary. A checkpoint every ``qat.checkpoint_every``

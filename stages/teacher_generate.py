@@ -1,6 +1,6 @@
 """DVC stage teacher-generate: the bf16 teacher answers every sampled prompt (temperature 0.6, top-p 0.9).
 
-    python stages/teacher_generate.py            # or: accelerate launch stages/teacher_generate.py
+    python -m pipeline.launch stages/teacher_generate.py    # launch.num_processes from params.yaml
 
 One output shard per input shard in ``data/teacher/``. Finished shards are kept in
 ``checkpoints/teacher-generate/`` with a fingerprint of their input, the parameters and the teacher, so a
