@@ -91,7 +91,7 @@ def plot_scores(result: dict, path: str | Path) -> None:
     models = result["models"]
     teacher = next((m for m in models.values() if m["method"] == "teacher"), None)
     fmts = [f for f in formats.QUANTISED if any(m["format"] == f for m in models.values())]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig, ax = plt.subplots(figsize=(8.5, 4), dpi=120)
     width = 0.38
     for offset, method, color in ((-width / 2, "direct-cast", "#c9c9c9"), (width / 2, "qat", "#3b75af")):
         xs, ys = [], []
@@ -112,7 +112,7 @@ def plot_scores(result: dict, path: str | Path) -> None:
     ax.set_ylim(low, min(1.0, max(values) + 0.04))
     ax.set_ylabel("average score (held-out items)")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title("Average score per format: direct cast vs QAT")
     fig.tight_layout()
     with atomic_path(path) as tmp:

@@ -507,9 +507,16 @@ def _plan(ex: _Exporter, config) -> dict[str, _Out]:
 
 
 def export(model: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None,
-           alignment: int = DEFAULT_ALIGNMENT, comment: str | None = None) -> dict:
+           alignment: int = DEFAULT_ALIGNMENT, comment: str | None = None, created: str | None = None) -> dict:
     """Write the ``.sqt`` v3 file of a packed S3D8 model (file or directory). Streams tensor by tensor into
-    a temporary file renamed over ``out``. Returns a summary (tensors, bytes)."""
+    a temporary file renamed over ``out``. ``created`` (ISO-8601) defaults to now, or to
+    ``$SOURCE_DATE_EPOCH`` when set (the reproducible-builds convention: same input, same bytes).
+    Returns a summary (tensors, bytes)."""
+    if created is None:
+        epoch = os.environ.get("SOURCE_DATE_EPOCH")
+        when = (datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc) if epoch
+                else datetime.datetime.now(datetime.timezone.utc))
+        created = when.isoformat(timespec="seconds")
     from pipeline import formats
     from pipeline.checkpoint import CheckpointReader
 
@@ -526,7 +533,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str |
     tok_dir = tokenizer_dir(file, meta, directory, tokenizer)
     metadata = {
         "source": meta.get("source_model") or str(directory or file),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": created,
         "alignment": alignment,
         "comment": (comment if comment is not None else
                     f"s3d8-pipeline export of {file.name} (method {meta.get('method', 'unknown')})"),
