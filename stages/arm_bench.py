@@ -2,10 +2,17 @@
 
     python stages/arm_bench.py                                   # params.yaml `bench`
     python stages/arm_bench.py --shapes 1x4096x14336 --threads 1,2 --out /tmp/bench
+    python stages/arm_bench.py --generate --models synthetic-1b --threads 1 --out /tmp/gen.json
 
 Times this library's S3D8, INT8 and bf16 products against torch's own paths (``pipeline.bench.kernels``)
 and writes ``reports/bench.json`` (the metrics: GMAC/s, ratios, GB/s), ``reports/bench_machine.json``
 (machine, load average, variant, versions, parameters), ``reports/bench.md`` and ``reports/bench.png``.
+
+``--generate`` instead runs the tokens/s benchmark (issue 15, ``pipeline.bench.generate``: every row a fresh
+process) and writes only its records to ``--out`` (default ``reports/bench_generate_records.json``):
+``{"records": [{model, format, impl, threads, prompt_tokens, new_tokens, prefill_tokens_per_s,
+decode_tokens_per_s, weight_bytes, peak_rss_mb}]}``. A row that fails is an error (exit 1), not a record.
+For the full report (read bandwidth, goals, .md, .png) run ``python -m pipeline.bench.generate``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import argparse  # noqa: E402
+import importlib
+import json
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,6 +40,36 @@ from pipeline.bench.report import chart, markdown
 from pipeline.io import write_json, write_text
 from pipeline.stage import console, run_log, stage_errors, versions
 
+GENERATE_KEYS = ("model", "format", "impl", "threads", "prompt_tokens", "new_tokens", "prefill_tokens_per_s",
+                 "decode_tokens_per_s", "weight_bytes", "peak_rss_mb")
+"""The fields of one ``--generate`` record, in order (``pipeline.bench.generate`` adds more; these are kept)."""
+KERNEL_ONLY = ("shapes", "repeats", "variant", "hot")
+GENERATE_ONLY = ("models", "formats", "impls", "prompt_tokens", "new_tokens")
+
+
+def generate_records(args: argparse.Namespace) -> list[dict]:
+    """Run ``pipeline.bench.generate.main`` (its report goes to a scratch directory) and return its records cut
+    to ``GENERATE_KEYS``; a failed row raises ``ValueError``."""
+    # Imported by name, not with an import statement: the DVC stage (``python stages/arm_bench.py``) never
+    # passes --generate, so generate.py and the runtime it loads are not deps of that stage (pipeline.depgraph
+    # reads import statements only).
+    bench = importlib.import_module("pipeline.bench.generate")
+    argv = ["--models", args.models]
+    for flag, value in (("--threads", args.threads), ("--formats", args.formats), ("--impls", args.impls),
+                        ("--prompt-tokens", args.prompt_tokens), ("--new-tokens", args.new_tokens)):
+        if value is not None:
+            argv += [flag, str(value)]
+    with tempfile.TemporaryDirectory(prefix="arm-bench-generate-") as scratch:
+        bench.main([*argv, "--out", scratch])
+        data = json.loads((Path(scratch) / "bench_generate.json").read_text())
+    failed = [r for r in data["records"] if "error" in r]
+    if failed:
+        raise ValueError("; ".join(f"{r['model']} {r['format']} {r['impl']} {r['threads']}t: {r['error']}"
+                                   for r in failed))
+    if not data["records"]:
+        raise ValueError(f"no generation records for --models {args.models}")
+    return [{key: r[key] for key in GENERATE_KEYS} for r in data["records"]]
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,9 +79,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="timed rounds per shape")
     parser.add_argument("--variant", help="force a library variant")
     parser.add_argument("--hot", action="store_true", help="one weight copy (cache-resident when it fits)")
-    parser.add_argument("--out", default="reports/bench.json",
-                        help="metrics JSON path (the .md, .png and _machine.json go beside it), or a directory")
+    parser.add_argument("--out", help="metrics JSON path (the .md, .png and _machine.json go beside it), or a "
+                        "directory; default reports/bench.json (with --generate: reports/bench_generate_records.json, "
+                        "the records alone)")
+    gen = parser.add_argument_group("tokens/s benchmark (--generate)")
+    gen.add_argument("--generate", action="store_true",
+                     help="run pipeline.bench.generate instead of the kernel table and write its records to --out")
+    gen.add_argument("--models", help="comma-separated models: toy, synthetic-tiny, synthetic-1b, synthetic-3b "
+                     "(default toy,synthetic-1b)")
+    gen.add_argument("--formats", help="comma-separated formats (default s3d8,int8,bf16; the toy is S3D8 only)")
+    gen.add_argument("--impls", help="comma-separated generation loops for S3D8 rows (default lean,hf)")
+    gen.add_argument("--prompt-tokens", type=int, help="prompt length (default 128)")
+    gen.add_argument("--new-tokens", type=int, help="tokens generated (default 64)")
     args = parser.parse_args(argv)
+    wrong = [f"--{name.replace('_', '-')}" for name in (KERNEL_ONLY if args.generate else GENERATE_ONLY)
+             if getattr(args, name) not in (None, False)]
+    if wrong:
+        parser.error(f"{', '.join(wrong)} {'does not apply with' if args.generate else 'needs'} --generate")
+    if args.generate:
+        with stage_errors("arm-bench"):
+            args.models = args.models or "toy,synthetic-1b"
+            out = Path(args.out or "reports/bench_generate_records.json")
+            if out.suffix != ".json":
+                out = out / "bench_generate_records.json"
+            began = time.perf_counter()
+            write_json(out, {"records": generate_records(args)})
+            run_log("arm-bench-generate", seconds=round(time.perf_counter() - began, 1))
+        return
+    args.out = args.out or "reports/bench.json"
     with stage_errors("arm-bench"):
         p = params.load(BenchParams, "bench", args.params)
         if args.shapes:

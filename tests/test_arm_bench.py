@@ -1,4 +1,5 @@
-"""The arm-bench stage as a user runs it: --help, and a tiny shape end to end (metrics are numbers only)."""
+"""The arm-bench stage as a user runs it: --help, a tiny shape end to end (metrics are numbers only), and
+--generate on the toy (the tokens/s records, issue 15 item 4)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_help_prints_usage_and_runs_nothing(tmp_path):
     result = run_stage("--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "--shapes" in result.stdout and "--threads" in result.stdout and "--out" in result.stdout
+    assert "--generate" in result.stdout and "--models" in result.stdout
     assert not any(tmp_path.iterdir())
 
 
@@ -62,3 +64,36 @@ def test_tiny_shape_writes_numeric_metrics_and_provenance(tmp_path):
     assert "## Targets" in report and "Pixel 8a" in report and machine["machine"]["variant"] in report
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
+
+
+GENERATE_KEYS = {"model", "format", "impl", "threads", "prompt_tokens", "new_tokens", "prefill_tokens_per_s",
+                 "decode_tokens_per_s", "weight_bytes", "peak_rss_mb"}
+
+
+def test_generate_writes_only_the_records(tmp_path):
+    """The issue 15 item 4 command on the smallest model (the toy: S3D8, lean and hf loops), about 15 s."""
+    result = run_stage("--generate", "--models", "toy", "--threads", "1", "--out", "tmp/x.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+    doc = json.loads((tmp_path / "tmp" / "x.json").read_text())
+    assert set(doc) == {"records"}
+    records = doc["records"]
+    assert {(r["model"], r["format"], r["impl"], r["threads"]) for r in records} == {
+        ("toy", "s3d8", "lean", 1), ("toy", "s3d8", "hf", 1)}
+    for r in records:
+        assert set(r) == GENERATE_KEYS
+        numbers = {k: v for k, v in r.items() if k not in ("model", "format", "impl")}
+        bad = {k: v for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+        assert not bad, f"non-numeric record values: {bad}"
+        assert r["prompt_tokens"] == 128 and r["new_tokens"] == 64
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert r["weight_bytes"] > 0 and r["peak_rss_mb"] > 0
+    assert not (tmp_path / "reports").exists()          # the kernel table is not run
+
+
+def test_generate_options_need_generate(tmp_path):
+    result = run_stage("--models", "toy", "--out", "x.json", cwd=tmp_path)
+    assert result.returncode == 2 and "--models needs --generate" in result.stderr
+    result = run_stage("--generate", "--shapes", "1x64x96", "--out", "x.json", cwd=tmp_path)
+    assert result.returncode == 2 and "--shapes does not apply with --generate" in result.stderr
+    assert not any(tmp_path.iterdir())
