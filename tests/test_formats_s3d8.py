@@ -83,18 +83,21 @@ def test_padding_when_shape_is_not_aligned():
     assert torch.equal(partial, s3d8.quantize(weight, table))
 
 
-def test_all_zero_rows_get_scale_one_and_stay_finite():
+def test_all_zero_rows_get_the_smallest_scale_and_decode_to_about_zero():
+    """SPEC section 1 (corrected): scale = bf16(max(absmax / 127, 2^-126)), the reference packer's rule."""
     table = hand_table()
     weight = torch.randn(9, 16)
     weight[1] = 0.0                               # a zero row in a group with non-zero rows
     weight[3:6] = 0.0                             # a whole group of zero rows
     packed, scale = s3d8.encode(weight, table)
-    assert scale[1].item() == 1.0 and (scale[3:6] == 1).all()
+    assert scale[1].item() == 2.0 ** -126 and (scale[3:6] == 2.0 ** -126).all()
     decoded = s3d8.decode(packed, scale, table, weight.shape)
     assert torch.isfinite(decoded).all()
-    # A zero group decodes to the centroid nearest zero (times scale 1): exact here, row 5 is (0, 0, 0).
-    assert (decoded[3:6] == 0).all()
+    assert decoded[1].abs().max() <= 127 * 2.0 ** -126                # whatever its group's centroid: ~0
+    assert (decoded[3:6] == 0).all()              # the centroid nearest zero is (0, 0, 0) here
     assert (packed[1] == 5 << 1).all()
+    tiny = torch.full((3, 16), 1e-40)             # absmax / 127 below the smallest normal: not 0, 2^-126
+    assert (s3d8.weight_scale(tiny) == 2.0 ** -126).all()
 
 
 def test_ties_go_to_the_first_centroid():

@@ -64,7 +64,10 @@ def test_cli_help_and_generate_without_runtime(capsys, monkeypatch):
     out = capsys.readouterr().out
     for command in ("pack", "eval", "export-sqt", "bench", "generate"):
         assert command in out
+    import pipeline
+
     monkeypatch.setitem(sys.modules, "pipeline.runtime", None)      # as if the module were missing
+    monkeypatch.delattr(pipeline, "runtime", raising=False)         # (another test may have imported it)
     assert cli.main(["generate", "model", "--prompt", "hi"]) == 2
     assert "s3d8 generate needs pipeline.runtime" in capsys.readouterr().err
     assert cli.main(["bench", "--shape", "1,x,3"]) == 1
