@@ -15,30 +15,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-from transformers import GenerationConfig
-
 from pipeline import params
-from pipeline.io import atomic_dir, atomic_open, write_json
-from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
-from pipeline.toy import tasks
-from pipeline.toy.model import build_model, count_parameters, tiny_config
-from pipeline.toy.processor import build_processor, text_vocab_size
+from pipeline.io import atomic_open, write_json
+from pipeline.stage import console, run_log, set_threads, stage_errors, versions
+from pipeline.toy.model import count_parameters
 from pipeline.toy.settings import ToyTeacherParams
-from pipeline.toy.train import train
-
+from pipeline.toy.teacher import save_teacher, train_teacher
 
 REPORTS = Path("reports/toy_teacher")
-
-
-def save_teacher(model, processor, generation_config: GenerationConfig, out: Path) -> None:
-    """Write the model folder beside ``out``, then swap it in: a crash never leaves a half-written teacher."""
-    with atomic_dir(out) as tmp:
-        model.generation_config = generation_config
-        model.to(torch.bfloat16).save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        for f in tmp.iterdir():
-            f.chmod(0o644)                     # the teacher is committed and shared
 
 
 def inside_project(path: str) -> Path:
@@ -62,45 +46,20 @@ def run(p: ToyTeacherParams) -> None:
     out = inside_project(p.out)
     set_threads(p.threads)
     t0 = time.perf_counter()
-    processor = build_processor(tasks.text_corpus(p.corpus_items, p.seed), vocab_size=p.vocab_size)
-    config = tiny_config(p.model, text_vocab_size(processor))
-    model = build_model(config, p.seed, position_std=p.position_std)
-    console.print(f"toy teacher: {count_parameters(model):,} parameters, vocabulary {len(processor.tokenizer)}, "
-                  f"{p.train.steps} steps of batch {p.train.batch_size}, seed {p.seed}")
-
-    reports = REPORTS
-    rows: list[dict] = []
-    with progress() as bars:
-        bar = bars.add_task("training", total=p.train.steps)
-
-        def on_step(row: dict) -> None:
-            rows.append(row)
-            scores = "".join(f" {k.split('/')[1]}={v:.2f}" for k, v in row.items() if k.startswith("heldout/"))
-            bars.update(bar, advance=1, description=f"training, loss {row['loss']:.3f}")
-            if scores:
-                console.print(f"step {row['step']}: held-out{scores}")
-
-        train(model, processor, p.train, p.seed, on_step=on_step)
-
+    model, processor, generation_config, rows = train_teacher(p)
     train_seconds = time.perf_counter() - t0
-    generation_config = GenerationConfig(
-        do_sample=True, temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.max_new_tokens,
-        bos_token_id=config.text_config.bos_token_id, eos_token_id=config.text_config.eos_token_id,
-        pad_token_id=config.text_config.pad_token_id,
-    )
     save_teacher(model, processor, generation_config, out)
-
     fields = sorted({k for r in rows for k in r}, key=lambda k: (not k.startswith("step"), k.startswith("heldout"), k))
-    with atomic_open(reports / "loss.csv", newline="") as f:
+    with atomic_open(REPORTS / "loss.csv", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    write_json(reports / "train.json", {
+    write_json(REPORTS / "train.json", {
         "parameters": count_parameters(model),
         "vocabulary": len(processor.tokenizer),
         "final_heldout": {k: v for k, v in rows[-1].items() if k.startswith("heldout/")} if rows else {},
     })
-    write_json(reports / "provenance.json", {"params": asdict(p), "versions": versions()})
+    write_json(REPORTS / "provenance.json", {"params": asdict(p), "versions": versions()})
     run_log("toy-teacher", train_seconds=round(train_seconds, 1), threads=p.threads)
     console.print(f"saved {p.out} after {train_seconds / 60:.1f} min")
 
