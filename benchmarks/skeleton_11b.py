@@ -1,0 +1,1015 @@
+"""An "11B-shaped" skeleton of Llama 3.2 11B Vision, run through every pipeline step, with a memory model.
+
+The skeleton is a seeded, randomly initialised ``MllamaForConditionalGeneration`` with the 11B model's widths
+(text hidden 4096, MLP 14336, vocabulary 128,256 + the image token, 32 query / 8 KV heads; vision width 1280,
+MLP 5120, 560-pixel tiles of 14-pixel patches, 4 tiles: 4 x 1601 = 6,404 image tokens a picture, 7680-wide
+vision output) and few layers (text: 2 self-attention + 1 cross-attention; vision: 2 local + 1 global). It is
+saved like a hub checkpoint (``save_pretrained``, bf16, processor, generation config) and then fitted, packed,
+loaded (lazy and eager), run (one image + prompt, a few generated tokens) and trained (QAT, 2 processes, FSDP2),
+each step in a fresh subprocess whose peak RSS (VmHWM) is recorded.
+
+    .venv/bin/python benchmarks/skeleton_11b.py all            # every step; reports/skeleton_11b.{json,md}
+    .venv/bin/python benchmarks/skeleton_11b.py step fit       # one step (what ``all`` runs in a subprocess)
+    .venv/bin/python benchmarks/skeleton_11b.py model          # the memory model of the full 11B, printed
+
+The memory model (:func:`qat_memory`, :func:`step_memory`) extrapolates each step to the full 11B on 8 GPUs
+with FSDP2 from parameter counts taken from ``MllamaConfig`` on the ``meta`` device (:func:`count_params`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+WORK = ROOT / "checkpoints" / "skeleton-11b"      # ignored by git (checkpoints/), outside every DVC output
+REPORT_JSON = ROOT / "reports" / "skeleton_11b.json"
+REPORT_MD = ROOT / "reports" / "skeleton_11b.md"
+GB = 1e9
+
+# ----------------------------------------------------------------------------------------------------------------
+# The skeleton's shape
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Size:
+    """Shape of a skeleton. The defaults are the 11B's widths with few layers (``PRESETS['full']``)."""
+    vocab_size: int = 128256                # text vocabulary; the image token takes the next id (128256)
+    text_hidden: int = 4096
+    text_intermediate: int = 14336
+    text_heads: int = 32
+    text_kv_heads: int = 8
+    text_layers: int = 3
+    cross_attention_layers: list[int] = field(default_factory=lambda: [1])
+    vision_hidden: int = 1280
+    vision_intermediate: int = 5120
+    vision_heads: int = 16
+    vision_layers: int = 2
+    vision_global_layers: int = 1
+    intermediate_layers_indices: list[int] = field(default_factory=lambda: [0, 0, 1, 1, 1])   # 5: 7680 wide
+    image_size: int = 560
+    patch_size: int = 14
+    max_num_tiles: int = 4
+
+
+PRESETS = {
+    # The skeleton: every width of the 11B, 3 text layers (self, cross, self), 2 + 1 vision layers, 4 tiles.
+    "full": Size(),
+    # The QAT reduction (2 CPU processes in 24 GB): same widths and heads, vocabulary 16,384 instead of 128,256,
+    # text 1 self + 1 cross layer, vision 1 local + 1 global layer, 1 tile (1,601 image tokens) instead of 4.
+    "qat": Size(vocab_size=16384, text_layers=2, cross_attention_layers=[1], vision_layers=1,
+                intermediate_layers_indices=[0, 0, 1, 1, 1], max_num_tiles=1),
+    # For tests: tiny everything.
+    "tiny": Size(vocab_size=1024, text_hidden=64, text_intermediate=128, text_heads=4, text_kv_heads=2,
+                 vision_hidden=32, vision_intermediate=64, vision_heads=2, image_size=56, patch_size=14,
+                 max_num_tiles=1),
+}
+
+ASPECT_RATIOS = [[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]]
+
+
+def skeleton_config(s: Size):
+    """The ``MllamaConfig`` of a skeleton: Llama 3 special-token ids at the top of the vocabulary (128000... for
+    the full vocabulary), the image token right after it, llama3 RoPE scaling as in the 11B."""
+    from transformers import MllamaConfig, MllamaTextConfig, MllamaVisionConfig
+
+    ratios = [r for r in ASPECT_RATIOS if r[0] * r[1] <= s.max_num_tiles]
+    vision = MllamaVisionConfig(
+        hidden_size=s.vision_hidden, num_hidden_layers=s.vision_layers, num_global_layers=s.vision_global_layers,
+        attention_heads=s.vision_heads, intermediate_size=s.vision_intermediate,
+        intermediate_layers_indices=list(s.intermediate_layers_indices),
+        vision_output_dim=s.vision_hidden * (1 + len(s.intermediate_layers_indices)),
+        image_size=s.image_size, patch_size=s.patch_size, max_num_tiles=s.max_num_tiles,
+        supported_aspect_ratios=ratios)
+    specials = special_ids(s.vocab_size)
+    text = MllamaTextConfig(
+        vocab_size=s.vocab_size, hidden_size=s.text_hidden, num_hidden_layers=s.text_layers,
+        cross_attention_layers=list(s.cross_attention_layers), num_attention_heads=s.text_heads,
+        num_key_value_heads=s.text_kv_heads, intermediate_size=s.text_intermediate,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=specials["<|begin_of_text|>"],
+        eos_token_id=[specials["<|end_of_text|>"], specials["<|eom_id|>"], specials["<|eot_id|>"]],
+        pad_token_id=specials["<|finetune_right_pad_id|>"])
+    return MllamaConfig(vision_config=vision, text_config=text, image_token_index=s.vocab_size)
+
+
+def full_11b_config():
+    """Llama 3.2 11B Vision as ``MllamaConfig`` defaults give it, with the released model's 560-pixel tiles
+    (the defaults say 448)."""
+    from transformers import MllamaConfig
+
+    config = MllamaConfig()
+    config.vision_config.image_size = 560
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer and processor
+# ----------------------------------------------------------------------------------------------------------------
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+
+
+def special_ids(vocab_size: int) -> dict[str, int]:
+    """Llama 3's 256 special tokens occupy the last 256 ids of the text vocabulary (128000-128255 in the 11B);
+    a vocabulary below 512 keeps only the 11 named ones."""
+    n = 256 if vocab_size >= 512 else len(LLAMA3_SPECIALS)
+    base = vocab_size - n
+    names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{k}|>" for k in range(3, 3 + n - len(LLAMA3_SPECIALS))]
+    return {name: base + i for i, name in enumerate(names)}
+
+
+CORPUS_WORDS = ("the a an image picture photo shows of in on with and is are red green blue yellow black white "
+                "small large circle square triangle dog cat car tree house sky water person people table chart "
+                "document text title number one two three four five left right top bottom center describe what "
+                "how many where which color shape answer question detail please briefly").split()
+
+
+def corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(4, 16))) + rng.choice([".", "?", "!"])
+            for _ in range(n)]
+
+
+def build_processor(s: Size, bpe_vocab: int = 1024):
+    """A Mllama processor for a skeleton of vocabulary ``s.vocab_size`` (the toy's builder cannot do it: its
+    vocabulary is a BPE trainer's target, which a small corpus never reaches, and it puts the specials at ids 0-10).
+
+    A byte-level BPE with the Llama 3 pre-tokenizer is trained on a small corpus (``bpe_vocab`` ids); unused
+    filler tokens (``<|skeleton_filler_N|>``, never produced: no merge leads to them) pad the vocabulary up to the
+    Llama 3 specials at its top; ``<|image|>`` is added last, so its id is ``s.vocab_size`` as in the 11B. The
+    image processor is Mllama's at ``s.image_size`` pixels and ``s.max_num_tiles`` tiles; the chat template is
+    the toy's (the Llama 3.2 Vision template)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import MllamaImageProcessorPil, MllamaProcessor, PreTrainedTokenizerFast
+
+    from pipeline.toy.processor import CHAT_TEMPLATE_FILE, IMAGE_MEAN, IMAGE_STD, LLAMA3_SPLIT
+
+    specials = special_ids(s.vocab_size)
+    pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre
+    bpe_vocab = min(bpe_vocab, min(specials.values()))
+    trained.train_from_iterator(corpus(), trainer=trainers.BpeTrainer(
+        vocab_size=bpe_vocab, min_frequency=2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    spec = json.loads(trained.to_str())
+    vocab = dict(spec["model"]["vocab"])
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in spec["model"]["merges"]]
+    n_trained = len(vocab)
+    for i in range(n_trained, min(specials.values())):
+        vocab[f"<|skeleton_filler_{i}|>"] = i
+    vocab.update(specials)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    bos = "<|begin_of_text|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, specials[bos])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="<|eot_id|>",
+                                   pad_token="<|finetune_right_pad_id|>", padding_side="left", model_max_length=131072)
+    fast.add_special_tokens({"additional_special_tokens": [*specials, "<|image|>"]})   # the specials keep their ids
+    image_id = fast.convert_tokens_to_ids("<|image|>")
+    if image_id != s.vocab_size:
+        raise RuntimeError(f"the image token has id {image_id}, expected {s.vocab_size}")
+    image_processor = MllamaImageProcessorPil(size={"height": s.image_size, "width": s.image_size},
+                                              max_image_tiles=s.max_num_tiles, image_mean=IMAGE_MEAN,
+                                              image_std=IMAGE_STD)
+    processor = MllamaProcessor(image_processor=image_processor, tokenizer=fast,
+                                chat_template=CHAT_TEMPLATE_FILE.read_text())
+    processor.n_trained_tokens = n_trained
+    return processor
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building the checkpoint
+# ----------------------------------------------------------------------------------------------------------------
+
+GATES = ("cross_attn_attn_gate", "cross_attn_mlp_gate", "gate_attn", "gate_ffn", ".gate")
+
+
+def init_parameter(name: str, p: torch.Tensor, seed: int, pad_row: int | None) -> None:
+    """Seeded in-place initialisation of one tensor (its own generator: the result does not depend on the order
+    or on the other tensors). Norm weights 1, biases 0, tanh gates 1 (so the image reaches the text from the
+    start), every matrix / embedding N(0, 0.02); the embedding's padding row 0 (as the 11B's)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    with torch.no_grad():
+        if name.endswith(GATES):
+            p.fill_(1.0)
+        elif "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=g)
+        if pad_row is not None and name.endswith("embed_tokens.weight"):
+            p[pad_row].zero_()
+
+
+def build(out: str | Path, s: Size, seed: int = 0, max_shard_size: str = "2GB") -> dict:
+    """Write the skeleton to ``out`` like a hub checkpoint (``save_pretrained`` in bf16, sharded, with the
+    processor and generation config). One bf16 copy of the weights is ever built: the model is made on the
+    ``meta`` device, materialised empty in bf16 and filled tensor by tensor in place."""
+    from transformers import GenerationConfig, MllamaForConditionalGeneration
+
+    out = Path(out)
+    config = skeleton_config(s)
+    config.dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = MllamaForConditionalGeneration(config)
+    model = model.to(torch.bfloat16).to_empty(device="cpu")
+    pad = config.text_config.pad_token_id
+    for name, p in model.named_parameters():
+        init_parameter(name, p, seed, pad)
+    for name, b in model.named_buffers():        # the rotary frequencies: recomputed on load, but not garbage here
+        if b.is_floating_point():
+            b.zero_()
+    model.generation_config = GenerationConfig(bos_token_id=config.text_config.bos_token_id,
+                                               eos_token_id=config.text_config.eos_token_id,
+                                               pad_token_id=config.text_config.pad_token_id,
+                                               do_sample=True, temperature=0.6, top_p=0.9)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    processor = build_processor(s)
+    processor.save_pretrained(str(out))
+    n = sum(p.numel() for p in model.parameters())
+    (out / "skeleton.json").write_text(json.dumps({"size": dataclasses.asdict(s), "seed": seed, "params": n,
+                                                   "bpe_tokens": processor.n_trained_tokens}, indent=1))
+    return {"params": n, "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter counts (meta device)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def count_params(config) -> dict:
+    """Parameter counts of the model ``config`` describes, built on the ``meta`` device (no memory): total,
+    quantised (the recipe's Linear / Embedding weights), per FSDP2 sharding unit (largest of each kind), the
+    largest quantised matrix, and the pieces the memory model needs."""
+    from transformers import MllamaForConditionalGeneration
+
+    from pipeline.qat.distributed import sharding_units
+    from pipeline.recipe import quantised_modules
+
+    with torch.device("meta"):
+        model = MllamaForConditionalGeneration(config)
+    total = sum(p.numel() for p in model.parameters())
+    quantised = {name: m.weight.numel() for name, m in quantised_modules(model)}
+    units = {name: sum(p.numel() for p in m.parameters()) for name, m in sharding_units(model)}
+    in_units = sum(units.values())
+    lang = model.model.language_model
+    cross = set(config.text_config.cross_attention_layers)
+    text_self = [sum(p.numel() for p in layer.parameters()) for i, layer in enumerate(lang.layers) if i not in cross]
+    text_cross = [sum(p.numel() for p in layer.parameters()) for i, layer in enumerate(lang.layers) if i in cross]
+    vision = model.model.vision_model
+    return {
+        "total": total,
+        "quantised": sum(quantised.values()),
+        "quantised_matrices": len(quantised),
+        "largest_matrix": max(quantised.values()),
+        "largest_unit": max(units.values()),
+        "root_unit": total - in_units,
+        "embed": lang.embed_tokens.weight.numel(),
+        "lm_head": model.lm_head.weight.numel(),
+        "projector": sum(p.numel() for p in model.model.multi_modal_projector.parameters()),
+        "text_self_layer": max(text_self, default=0), "text_self_layers": len(text_self),
+        "text_cross_layer": max(text_cross, default=0), "text_cross_layers": len(text_cross),
+        "vision_local_layers": len(vision.transformer.layers), "vision_global_layers": len(vision.global_transformer.layers),
+        "vision_layer": sum(p.numel() for p in vision.transformer.layers[0].parameters()) if len(vision.transformer.layers) else 0,
+        "vision_other": sum(p.numel() for n, p in vision.named_parameters() if ".layers." not in n),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The memory model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """What one QAT micro-step processes on one device."""
+    micro_batch: int                 # sequences per device per micro-step
+    seq: int                         # text tokens per sequence
+    tiles: int                       # vision tiles per image the encoder runs (Mllama pads to max_num_tiles)
+
+
+def _shape(config) -> dict:
+    t, v = config.text_config, config.vision_config
+    patches = (v.image_size // v.patch_size) ** 2 + 1
+    return {"h": t.hidden_size, "i": t.intermediate_size, "kv": t.hidden_size // t.num_attention_heads * t.num_key_value_heads,
+            "V": t.vocab_size, "d": v.hidden_size, "m": v.intermediate_size, "patches": patches,
+            "padded": patches + (8 - patches % 8) % 8, "n_int": len(v.intermediate_layers_indices),
+            "vision_heads": v.attention_heads}
+
+
+def activation_bytes(config, counts: dict, w: Workload, compute_bytes: int, checkpointing: bool,
+                     eager_vision_attention: bool = False) -> dict:
+    """Activation memory of one student forward kept for its backward, per device, in bytes (estimates).
+
+    Saved elements per token and layer, without checkpointing (every Linear input is fake-quantised to INT8
+    first, and each quantised copy is saved: q/k/v and gate/up each keep their own):
+      text self layer  12h + 4kv + 5i       (norms, 3 quantised inputs, q/k/v, attention out, MLP)
+      text cross layer 12h + 2kv + 5i over text tokens, plus 2h + 3kv per image token (k/v projections)
+      vision layer     12d + 5m over the encoder's padded tokens (tiles x padded patches)
+    With checkpointing (transformers' per-layer checkpointing of the text decoder and both vision encoders) only
+    each layer's input is kept (h or d per token) plus one layer's full set during its recompute, the vision
+    outputs kept for the projector (5 intermediate + 1 final states) and the projected image tokens. Logits: the
+    teacher's and student's (compute dtype), both log-softmaxes and the logits' gradient in fp32."""
+    sh = _shape(config)
+    h, i, kv, V, d, m = sh["h"], sh["i"], sh["kv"], sh["V"], sh["d"], sh["m"]
+    b, s = w.micro_batch, w.seq
+    text_tokens = b * s
+    img_tokens = b * w.tiles * sh["patches"]           # cross-attention keys / values (the 11B: 4 x 1601 = 6404)
+    vis_tokens = b * w.tiles * sh["padded"]            # the encoder's sequence (padded to a multiple of 8)
+    n_self, n_cross = counts["text_self_layers"], counts["text_cross_layers"]
+    n_vis = counts["vision_local_layers"] + counts["vision_global_layers"]
+    self_full = text_tokens * (12 * h + 4 * kv + 5 * i)
+    cross_full = text_tokens * (12 * h + 2 * kv + 5 * i) + img_tokens * (2 * h + 3 * kv)
+    vis_full = vis_tokens * (12 * d + 5 * m)
+    vis_attn = b * w.tiles * 0                         # placeholder, set below
+    if eager_vision_attention:                         # attention probabilities materialised (math path, 4-D mask)
+        vis_attn = b * sh["vision_heads"] * (w.tiles * sh["padded"]) ** 2
+    vision_keep = vis_tokens * d * (sh["n_int"] + 1) + img_tokens * h      # encoder outputs + projected tokens
+    if checkpointing:
+        layers = (n_self + n_cross) * text_tokens * h + n_vis * vis_tokens * d
+        recompute = max(self_full, cross_full, vis_full + vis_attn)
+        elements = layers + recompute + vision_keep
+    else:
+        elements = n_self * self_full + n_cross * cross_full + n_vis * (vis_full + vis_attn) + vision_keep
+    logits = text_tokens * V * (2 * compute_bytes + 3 * 4)
+    return {"layers": elements * compute_bytes, "logits": logits, "total": elements * compute_bytes + logits}
+
+
+def qat_memory(config, *, devices: int = 8, workload: Workload | None = None, compute_bytes: int = 2,
+               teacher: str = "shard", checkpointing: bool = True, teacher_bytes: int = 2,
+               eager_vision_attention: bool = False, counts: dict | None = None) -> dict:
+    """Per-device memory of one QAT step under FSDP2, in bytes, by component (estimates; see the report).
+
+    - teacher: ``teacher_bytes`` (bf16) x P, on every device (``replicate``) or / devices (``shard``; plus two
+      gathered units, the current one and the prefetched next);
+    - student fp32 masters, gradients (fp32, reduced in fp32) and AdamW's two moments: 4 + 4 + 8 bytes x P /
+      devices;
+    - gathered student units in the compute dtype: two at a time (current + prefetch);
+    - fake-quantised weights saved for the backward: every QuantLinear's ``F.linear(x, Q(w))`` keeps ``Q(w)`` in
+      the compute dtype until the backward (all Linear weights without checkpointing; with it only those outside
+      the checkpointed layers: ``lm_head`` and the projector);
+    - activations and logits (:func:`activation_bytes`).
+    Also ``host_load``: the host RAM one process needs while the current library builds the student (every rank
+    loads the whole fp32 student and the whole teacher before sharding: P x (4 + teacher_bytes))."""
+    counts = counts or count_params(config)
+    P = counts["total"]
+    t = config.text_config
+    w = workload or Workload(micro_batch=4, seq=512, tiles=config.vision_config.max_num_tiles)
+    unit = counts["largest_unit"]
+    parts = {}
+    if teacher == "shard":
+        parts["teacher"] = teacher_bytes * P / devices + 2 * teacher_bytes * unit
+    else:
+        parts["teacher"] = teacher_bytes * P
+    parts["masters_fp32"] = 4 * P / devices
+    parts["grads_fp32"] = 4 * P / devices
+    parts["adamw"] = 8 * P / devices
+    parts["gathered_units"] = 2 * compute_bytes * unit
+    linear_q = counts["quantised"] - counts["embed"]
+    saved = linear_q if not checkpointing else counts["lm_head"] + counts["projector"]
+    parts["saved_quantised_weights"] = compute_bytes * saved
+    act = activation_bytes(config, counts, w, compute_bytes, checkpointing, eager_vision_attention)
+    parts["activations"] = act["layers"]
+    parts["logits"] = act["logits"]
+    total = sum(parts.values())
+    return {"parts": parts, "total": total, "host_load": P * (4 + teacher_bytes), "params": P,
+            "workload": dataclasses.asdict(w), "devices": devices, "teacher": teacher,
+            "checkpointing": checkpointing, "compute_bytes": compute_bytes, "vocab": t.vocab_size}
+
+
+def step_memory(counts: dict, base: float, file_bytes: float | None = None) -> dict:
+    """Predicted peak RSS (bytes) of the single-process steps, from parameter counts: ``base`` is the process's
+    RSS after importing torch and transformers (measured). Streaming steps (fit, pack) hold the largest
+    matrix in fp32 plus temporaries, whatever the depth; loading holds the weights once."""
+    P, Q, big = counts["total"], counts["quantised"], counts["largest_matrix"]
+    other = P - Q
+    packed = file_bytes if file_bytes is not None else Q * 8 / 3 / 8 + 2 * other
+    return {
+        # fit: the matrix in fp32, its fake-quantised copy, the squared error and the sampled vectors for k-means
+        "fit": base + 4 * big * 4,
+        # pack: the bf16 tensor read, its fp32 copy, the packed bytes and scales
+        "pack": base + big * (2 + 4 + 1),
+        # build: one bf16 copy of the model and one safetensors shard being serialised (2 GB)
+        "build": base + 2 * P + 2e9,
+        # lazy load: the file's tensors (packed bytes + bf16 rest upcast to fp32), no decoded weight
+        "load_lazy": base + packed + 2 * other,
+        # eager load: every weight decoded to fp32, plus the largest matrix's decode temporaries
+        "load_eager": base + 4 * P + 4 * big,
+    }
+
+
+def table_11b(devices: int = 8, batch: int = 128, grad_accum: int = 4, seq: int = 512) -> list[dict]:
+    """The memory model's rows for the full 11B on ``devices`` GPUs: teacher sharded / replicated, with and
+    without gradient checkpointing, bf16 compute."""
+    config = full_11b_config()
+    counts = count_params(config)
+    w = Workload(micro_batch=batch // (devices * grad_accum), seq=seq, tiles=config.vision_config.max_num_tiles)
+    rows = []
+    for teacher in ("shard", "replicate"):
+        for ckpt in (True, False):
+            r = qat_memory(config, devices=devices, workload=w, teacher=teacher, checkpointing=ckpt, counts=counts)
+            rows.append(r)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measured steps (each in a fresh process)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def rss_kib(field_name: str = "VmHWM", pid: str = "self") -> int:
+    return int(re.search(rf"{field_name}:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1))
+
+
+def reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5), so a phase's peak can be read alone."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+class Phases:
+    """Peak RSS per phase of one process: ``with phases("load"): ...``."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, dict] = {}
+
+    def __call__(self, name: str):
+        phases = self
+
+        class _Phase:
+            def __enter__(self):
+                reset_peak()
+                self.t = time.perf_counter()
+                self.start = rss_kib("VmRSS")
+
+            def __exit__(self, *exc):
+                phases.records[name] = {"seconds": round(time.perf_counter() - self.t, 2),
+                                        "rss_start_gb": round(self.start * 1024 / GB, 3),
+                                        "peak_rss_gb": round(rss_kib("VmHWM") * 1024 / GB, 3),
+                                        "rss_end_gb": round(rss_kib("VmRSS") * 1024 / GB, 3)}
+                return False
+
+        return _Phase()
+
+
+def test_image(tiles: int):
+    """A deterministic picture whose aspect ratio uses ``tiles`` tiles (2 x 2 for 4)."""
+    from PIL import Image, ImageDraw
+
+    w, h = {1: (560, 560), 2: (1120, 560), 4: (1120, 1120)}.get(tiles, (560, 560))
+    img = Image.new("RGB", (w, h), (230, 230, 250))
+    d = ImageDraw.Draw(img)
+    d.ellipse((w // 8, h // 8, w // 2, h // 2), fill=(200, 30, 30))
+    d.rectangle((w // 2, h // 2, 7 * w // 8, 7 * h // 8), fill=(30, 30, 200))
+    return img
+
+
+def prompt_inputs(processor, tiles: int, text: str = "Describe the image briefly."):
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return processor(images=[[test_image(tiles)]], text=[prompt], add_special_tokens=False, return_tensors="pt")
+
+
+def dirs(preset: str) -> dict[str, Path]:
+    base = WORK / preset
+    return {"model": base / "model", "states": base / "states.safetensors", "fit_report": base / "fit.json",
+            "packed": base / "packed", "qat": base / "qat"}
+
+
+def _step_build(preset: str, phases: Phases) -> dict:
+    d = dirs(preset)
+    import shutil
+    shutil.rmtree(d["model"], ignore_errors=True)
+    with phases("build"):
+        out = build(d["model"], PRESETS[preset])
+    return out
+
+
+def _step_fit(preset: str, phases: Phases) -> dict:
+    from pipeline import formats
+    from pipeline.fit import fit_model
+
+    d = dirs(preset)
+    fmt = formats.get("s3d8")
+    with phases("fit"):
+        states, report = fit_model(fmt, str(d["model"]))
+    fmt.save_states(d["states"], states)
+    d["fit_report"].write_text(json.dumps(report["summary"], indent=1))
+    return report["summary"]
+
+
+def _step_pack(preset: str, phases: Phases) -> dict:
+    import shutil
+
+    from pipeline import formats
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.hf import write_model_dir
+    from pipeline.models import load_config
+
+    d = dirs(preset)
+    fmt = formats.get("s3d8")
+    states = fmt.load_states(d["states"])
+    shutil.rmtree(d["packed"], ignore_errors=True)
+    with phases("pack"):
+        summary = write_model_dir(d["packed"], CheckpointReader(d["model"]), fmt, states, teacher_dir=d["model"],
+                                  method="direct-cast", base_model="skeleton-11b (random)", teacher_name="skeleton-11b",
+                                  metadata={"config": load_config(str(d["model"])).to_dict(), "method": "direct-cast",
+                                            "source_model": "skeleton-11b"})
+    return summary
+
+
+def _packed_file(preset: str) -> Path:
+    return dirs(preset)["packed"] / "model.safetensors"
+
+
+def _step_load(preset: str, phases: Phases, decode: str, generate: int = 0) -> dict:
+    from pipeline.models import load_processor
+    from pipeline.packed import load_packed_model
+
+    d = dirs(preset)
+    with phases("load"):
+        model = load_packed_model(_packed_file(preset), decode=decode)
+    out: dict = {"decode": decode}
+    if generate:
+        processor = load_processor(str(d["model"]))
+        tiles = PRESETS[preset].max_num_tiles
+        inputs = prompt_inputs(processor, tiles)
+        out["prompt_tokens"] = int(inputs["input_ids"].shape[1])
+        vc = model.config.vision_config
+        out["image_tokens"] = tiles * ((vc.image_size // vc.patch_size) ** 2 + 1)
+        with torch.inference_mode(), phases("forward"):
+            logits = model(**inputs).logits
+        out["logits_finite"] = bool(torch.isfinite(logits).all())
+        out["logits_shape"] = list(logits.shape)
+        eos = model.generation_config.eos_token_id
+        with torch.inference_mode(), phases("generate"):
+            gen = model.generate(**inputs, max_new_tokens=generate, min_new_tokens=generate, do_sample=False,
+                                 pad_token_id=processor.tokenizer.pad_token_id, eos_token_id=eos)
+        out["generated"] = gen[0, inputs["input_ids"].shape[1]:].tolist()
+        out["generate_tokens_per_s"] = round(generate / phases.records["generate"]["seconds"], 4)
+    return out
+
+
+def _examples(processor, model_dir: Path, n: int, response_len: int, seed: int = 0):
+    """Training sequences: the chat prompt with an image, and a random "teacher response" of BPE tokens."""
+    import random
+
+    from pipeline.qat.data import Example
+
+    rng = random.Random(seed)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tuple(processor.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    eot = processor.tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    n_bpe = int(json.loads((Path(model_dir) / "skeleton.json").read_text())["bpe_tokens"])
+    return [Example(k, f"toy:{seed}:{k}", ids, tuple(rng.randrange(1, n_bpe) for _ in range(response_len)) + (eot,))
+            for k in range(n)]
+
+
+def derive_states(source: str, target: str) -> dict:
+    """The S3D8 states of preset ``target`` taken from those fitted on ``source`` (same checkpoint names: the
+    reduced skeleton's layers are a subset of the full one's; an S3D8 state is a [32, 3] table, whatever the
+    matrix's shape), so the reduction needs no second fit."""
+    from pipeline import formats
+    from pipeline.models import meta_model, quantised_weight_names
+
+    fmt = formats.get("s3d8")
+    states = fmt.load_states(dirs(source)["states"])
+    names = quantised_weight_names(meta_model(skeleton_config(PRESETS[target])))
+    out = {saved.removesuffix(".weight"): states[saved.removesuffix(".weight")] for saved in names.values()}
+    fmt.save_states(dirs(target)["states"], out)
+    return {"matrices": len(out), "from": source}
+
+
+QAT_STEPS = 3
+QAT_SEQ = 128
+
+
+def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> None:
+    """One torchrun rank of the skeleton's QAT run (FSDP2 over gloo, fp32 compute)."""
+    import shutil
+
+    import pipeline.qat.train as qt
+    import pipeline.toy  # noqa: F401  (the toy image pool)
+    from pipeline import formats
+    from pipeline.launch import LaunchParams
+    from pipeline.models import load_processor
+    from pipeline.stage import set_threads
+
+    set_threads(1)
+    d = dirs(preset)
+    rank = int(os.environ.get("RANK", "0"))
+    fmt = formats.get("s3d8")
+    states = fmt.load_states(d["states"])
+    processor = load_processor(str(d["model"]))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    examples = _examples(processor, d["model"], 4 * world, seq // 2)
+    phases = Phases()
+    # Phase boundaries through the engine's own calls (wrapping, not changing, pipeline.qat.train._FSDP2).
+    engine = qt._FSDP2
+    orig = {k: getattr(engine, k) for k in ("teacher", "wrap", "save_student")}
+    state = {"cm": None}
+
+    def enter(name):
+        if state["cm"] is not None:
+            state["cm"].__exit__(None, None, None)
+        state["cm"] = phases(name)
+        state["cm"].__enter__()
+
+    def teacher_hook(self, model):
+        r = orig["teacher"](self, model)
+        enter("load_student")                  # load_model(student fp32) + prepare + checkpointing
+        return r
+
+    def wrap_hook(self, student):
+        enter("shard_student")
+        r = orig["wrap"](self, student)
+        enter("train")                         # optimizer, steps (forward, backward, AdamW)
+        return r
+
+    def save_hook(self, student, processor, out_dir):
+        enter("save_student")
+        return orig["save_student"](self, student, processor, out_dir)
+
+    engine.teacher, engine.wrap, engine.save_student = teacher_hook, wrap_hook, save_hook
+    if rank == 0:
+        shutil.rmtree(d["qat"], ignore_errors=True)
+    launch = LaunchParams(num_processes=world, backend="gloo", strategy="fsdp2", compute_dtype="float32",
+                          gradient_checkpointing=ckpt, teacher=teacher)
+    p = qt.QATParams(steps=steps, batch_size=2 * world, grad_accum=1, max_seq_len=seq, checkpoint_every=1000,
+                     threads=1)
+    enter("load_teacher")
+    t0 = time.perf_counter()
+    summary = qt.train(fmt, states, str(d["model"]), "bfloat16", examples, p, out_dir=d["qat"] / "student",
+                       checkpoint=d["qat"] / f"ckpt-{teacher}.safetensors", live_dir=d["qat"] / "live",
+                       fingerprint=f"skeleton-{preset}-{teacher}-{ckpt}", launch=launch)
+    state["cm"].__exit__(None, None, None)
+    seconds = time.perf_counter() - t0
+    train = phases.records.get("train", {})
+    out = {"rank": rank, "world": world, "phases": phases.records, "summary": summary,
+           "seconds": round(seconds, 1), "steps": steps,
+           "seconds_per_step": round(train.get("seconds", float("nan")) / steps, 2),
+           "peak_rss_gb": round(max(r["peak_rss_gb"] for r in phases.records.values()), 3)}
+    Path(os.environ["SKELETON_OUT"] + f".rank{rank}").write_text(json.dumps(out, indent=1))
+
+
+def run_step(argv: list[str]) -> None:
+    """``step NAME PRESET``: one measured step in this (fresh) process; its result as JSON in $SKELETON_OUT."""
+    name, preset = argv[0], argv[1]
+    import transformers  # noqa: F401  (the base RSS includes the libraries)
+
+    phases = Phases()
+    base = rss_kib("VmRSS") * 1024 / GB
+    t0 = time.perf_counter()
+    if name == "build":
+        result = _step_build(preset, phases)
+    elif name == "fit":
+        result = _step_fit(preset, phases)
+    elif name == "pack":
+        result = _step_pack(preset, phases)
+    elif name in ("load_lazy", "load_eager"):
+        result = _step_load(preset, phases, name.split("_")[1])
+    elif name in ("generate_lazy", "generate_eager"):
+        result = _step_load(preset, phases, name.split("_")[1], generate=int(argv[2]) if len(argv) > 2 else 3)
+    else:
+        raise SystemExit(f"unknown step {name!r}")
+    out = {"step": name, "preset": preset, "base_rss_gb": round(base, 3), "seconds": round(time.perf_counter() - t0, 1),
+           "phases": phases.records, "result": result,
+           "peak_rss_gb": round(max([rss_kib("VmHWM") * 1024 / GB] + [r["peak_rss_gb"] for r in phases.records.values()]), 3)}
+    Path(os.environ["SKELETON_OUT"]).write_text(json.dumps(out, indent=1, default=str))
+
+
+def measure(name: str, preset: str, *extra: str, timeout: int = 3600) -> dict:
+    """Run one step in a fresh subprocess and return its record (plus the child's exit status)."""
+    out = WORK / preset / f"step-{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    env = {**os.environ, "SKELETON_OUT": str(out), "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "step", name, preset, *extra], env=env, cwd=ROOT,
+                          timeout=timeout, capture_output=True, text=True)
+    if proc.returncode or not out.exists():
+        return {"step": name, "preset": preset, "error": proc.stderr[-3000:], "returncode": proc.returncode,
+                "seconds": round(time.perf_counter() - t0, 1)}
+    return json.loads(out.read_text())
+
+
+def measure_qat(preset: str = "qat", teacher: str = "shard", ckpt: bool = True, processes: int = 2,
+                steps: int = QAT_STEPS, seq: int = QAT_SEQ, timeout: int = 3600) -> dict:
+    out = WORK / preset / f"step-qat-{teacher}-{'ckpt' if ckpt else 'nockpt'}.json"
+    for old in out.parent.glob(out.name + ".rank*"):
+        old.unlink()
+    env = {**os.environ, "SKELETON_OUT": str(out), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(processes), __file__, "qat-rank", preset, teacher, str(int(ckpt)), str(steps), str(seq)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+    ranks = [json.loads(f.read_text()) for f in sorted(out.parent.glob(out.name + ".rank*"))]
+    rec = {"step": "qat", "preset": preset, "teacher": teacher, "gradient_checkpointing": ckpt,
+           "processes": processes, "steps": steps, "seq": seq, "ranks": ranks,
+           "seconds": round(time.perf_counter() - t0, 1), "returncode": proc.returncode}
+    if proc.returncode or len(ranks) != processes:
+        rec["error"] = proc.stderr[-4000:]
+    else:
+        rec["peak_rss_gb_per_rank"] = [r["peak_rss_gb"] for r in ranks]
+        rec["peak_rss_gb_sum"] = round(sum(rec["peak_rss_gb_per_rank"]), 3)
+    out.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Predicted vs measured, and the report
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def base_rss_gb() -> float:
+    """RSS of a fresh process after importing torch, transformers and the pipeline (measured here)."""
+    code = ("import re,pathlib,torch,transformers,pipeline,pipeline.packed,pipeline.fit,pipeline.qat.train;"
+            "print(int(re.search(r'VmHWM:\\s+(\\d+)',pathlib.Path('/proc/self/status').read_text()).group(1)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return int(out.stdout.strip()) * 1024 / GB
+
+
+def check_qat(rec: dict, counts: dict, base: float) -> dict:
+    """The memory model's prediction for the measured skeleton QAT run (per rank, CPU: fp32 compute) vs the
+    measured per-phase peaks, also as bytes per parameter above the base RSS."""
+    cfg = skeleton_config(PRESETS[rec["preset"]])
+    P = counts["total"]
+    world = rec["processes"]
+    w = Workload(micro_batch=1, seq=rec["seq"], tiles=cfg.vision_config.max_num_tiles)
+    model = qat_memory(cfg, devices=world, workload=w, compute_bytes=4, teacher=rec["teacher"],
+                       checkpointing=rec["gradient_checkpointing"], counts=counts)
+    rank0 = rec["ranks"][0]["phases"]
+    teacher_full = 2 * P
+    teacher_kept = model["parts"]["teacher"]
+    predicted = {
+        "load_teacher": base * GB + teacher_full,
+        "load_student": base * GB + teacher_kept + 4 * P,          # the whole fp32 student on every rank
+        # sharding: the whole student still referenced while its shards are copied
+        "shard_student": base * GB + teacher_kept + 4 * P + 4 * P / world,
+        "train": base * GB + model["total"],
+        "save_student": base * GB + teacher_kept + 16 * P / world + 4 * P,   # rank 0 gathers the whole student
+    }
+    rows = []
+    for phase, pred in predicted.items():
+        meas = rank0.get(phase, {}).get("peak_rss_gb")
+        if meas is None:
+            continue
+        rows.append({"phase": phase, "measured_gb": meas, "predicted_gb": round(pred / GB, 3),
+                     "measured_bytes_per_param": round((meas - base) * GB / P, 2),
+                     "predicted_bytes_per_param": round(pred / P - base * GB / P, 2),
+                     "ratio": round(meas / (pred / GB), 3)})
+    return {"params": P, "base_gb": round(base, 3), "model_parts_gb": {k: round(v / GB, 3) for k, v in model["parts"].items()},
+            "rows": rows}
+
+
+def check_steps(steps: dict, counts: dict, base: float) -> list[dict]:
+    file_bytes = None
+    pack = steps.get("pack", {}).get("result", {})
+    if "file_bytes" in pack:
+        file_bytes = pack["file_bytes"]
+    pred = step_memory(counts, base * GB, file_bytes)
+    rows = []
+    for name, key in (("build", "build"), ("fit", "fit"), ("pack", "pack"), ("load_lazy", "load_lazy"),
+                      ("load_eager", "load_eager")):
+        rec = steps.get(name)
+        if not rec or "peak_rss_gb" not in rec:
+            continue
+        rows.append({"step": name, "measured_gb": rec["peak_rss_gb"], "predicted_gb": round(pred[key] / GB, 3),
+                     "ratio": round(rec["peak_rss_gb"] / (pred[key] / GB), 3)})
+    return rows
+
+
+def write_report(data: dict) -> None:
+    REPORT_JSON.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    REPORT_MD.write_text(markdown(data))
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown(data: dict) -> str:
+    L = ["# The 11B-shaped skeleton: every step at full width, and a memory model for the 11B", "",
+         "Written by `benchmarks/skeleton_11b.py all` (numbers: `reports/skeleton_11b.json`). "
+         f"Machine: {data.get('machine', '')}.", ""]
+    sk = data.get("skeleton", {})
+    if sk:
+        L += ["## The skeleton", "", f"- full: {sk['full']['description']}",
+              f"- qat (the reduction QAT ran on): {sk['qat']['description']}", ""]
+        L += ["| preset | parameters | quantised | largest matrix | checkpoint (bf16) |", "|---|---:|---:|---:|---:|"]
+        for k in ("full", "qat"):
+            c = sk[k]["counts"]
+            L.append(f"| {k} | {c['total'] / 1e9:.3f} B | {c['quantised'] / 1e9:.3f} B | {c['largest_matrix'] / 1e6:.1f} M | "
+                     f"{_gb(sk[k].get('checkpoint_gb'))} GB |")
+        L.append("")
+    steps = data.get("steps", {})
+    if steps:
+        L += ["## Measured steps (peak RSS of a fresh process per step)", "",
+              f"Base RSS (python + torch + transformers + pipeline imported): {_gb(data.get('base_rss_gb'))} GB.", "",
+              "| step | preset | wall s | peak RSS GB | phases (peak GB / s) | result |", "|---|---|---:|---:|---|---|"]
+        for name, rec in steps.items():
+            if "error" in rec:
+                L.append(f"| {name} | {rec.get('preset')} | {rec.get('seconds')} | - | failed | "
+                         f"`{rec['error'].strip().splitlines()[-1][:120] if rec['error'].strip() else rec.get('returncode')}` |")
+                continue
+            if name.startswith("qat"):
+                ph = rec["ranks"][0]["phases"]
+                phase_s = "; ".join(f"{k} {v['peak_rss_gb']:.2f}/{v['seconds']:.0f}" for k, v in ph.items())
+                kl = [r.get("summary", {}) for r in rec["ranks"] if r.get("summary")]
+                res = f"{rec['steps']} steps, {rec['ranks'][0]['seconds_per_step']} s/step"
+                if kl:
+                    res += f", KL first {kl[0].get('kl_first', float('nan')):.3f}"
+                L.append(f"| {name} | {rec['preset']} | {rec['seconds']} | {' + '.join(_gb(x) for x in rec['peak_rss_gb_per_rank'])} "
+                         f"(ranks) | rank 0: {phase_s} | {res} |")
+                continue
+            phase_s = "; ".join(f"{k} {v['peak_rss_gb']:.2f}/{v['seconds']:.0f}" for k, v in rec["phases"].items())
+            r = rec.get("result", {})
+            res = ""
+            if name == "fit":
+                res = f"{r.get('matrices')} matrices, rel. RMSE {r.get('rel_rmse', 0):.4f}, {r.get('bits_per_param', 0):.3f} bit"
+            elif name == "pack":
+                res = f"{r.get('file_bytes', 0) / GB:.3f} GB, {r.get('bits_per_param_actual', 0):.3f} bit actual"
+            elif name.startswith("generate"):
+                res = (f"{r.get('prompt_tokens')} prompt + {r.get('image_tokens')} image tokens; logits finite "
+                       f"{r.get('logits_finite')}; {len(r.get('generated', []))} tokens at {r.get('generate_tokens_per_s')} tok/s")
+            elif name == "build":
+                res = f"{r.get('params', 0) / 1e9:.3f} B params, {r.get('bytes', 0) / GB:.2f} GB"
+            L.append(f"| {name} | {rec['preset']} | {rec['seconds']} | {_gb(rec['peak_rss_gb'])} | {phase_s} | {res} |")
+        L.append("")
+    chk = data.get("check", {})
+    if chk.get("steps"):
+        L += ["## The memory model against the skeleton", "", "Single-process steps (`step_memory`):", "",
+              "| step | measured GB | predicted GB | measured / predicted |", "|---|---:|---:|---:|"]
+        for r in chk["steps"]:
+            L.append(f"| {r['step']} | {r['measured_gb']:.2f} | {r['predicted_gb']:.2f} | {r['ratio']:.2f} |")
+        L.append("")
+    for key, rec in (chk.get("qat") or {}).items():
+        L += [f"QAT `{key}`, rank 0, per phase (`qat_memory` with fp32 compute, 2 ranks; bytes per parameter above "
+              f"the base RSS, P = {rec['params'] / 1e6:.0f} M):", "",
+              "| phase | measured GB | predicted GB | measured B/param | predicted B/param | ratio |",
+              "|---|---:|---:|---:|---:|---:|"]
+        for r in rec["rows"]:
+            L.append(f"| {r['phase']} | {r['measured_gb']:.2f} | {r['predicted_gb']:.2f} | {r['measured_bytes_per_param']:.2f} | "
+                     f"{r['predicted_bytes_per_param']:.2f} | {r['ratio']:.2f} |")
+        L.append("")
+        L.append("Predicted train-phase parts (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in rec["model_parts_gb"].items()))
+        L.append("")
+    m = data.get("model_11b")
+    if m:
+        c = m["counts"]
+        L += ["## The memory model: Llama 3.2 11B Vision on 8 x 80 GB GPUs, FSDP2, bf16 compute", "",
+              f"Parameters (MllamaConfig defaults on `meta`, 560-pixel tiles): {c['total'] / 1e9:.3f} B, of which "
+              f"{c['quantised'] / 1e9:.3f} B quantised in {c['quantised_matrices']} matrices; largest FSDP unit "
+              f"{c['largest_unit'] / 1e6:.0f} M (a text decoder layer), embedding {c['embed'] / 1e6:.0f} M, "
+              f"lm_head {c['lm_head'] / 1e6:.0f} M. Workload: batch 128 = 8 GPUs x micro-batch "
+              f"{m['rows'][0]['workload']['micro_batch']} x grad_accum 4, {m['rows'][0]['workload']['seq']} text tokens "
+              f"+ {m['rows'][0]['workload']['tiles']} tiles x 1601 = 6404 image tokens a sequence.", "",
+              "| GB per GPU | " + " | ".join(f"teacher {r['teacher']}, {'ckpt' if r['checkpointing'] else 'no ckpt'}"
+                                          for r in m["rows"]) + " |",
+              "|---|" + "---:|" * len(m["rows"])]
+        for part in m["rows"][0]["parts"]:
+            L.append(f"| {part} | " + " | ".join(f"{r['parts'][part] / GB:.1f}" for r in m["rows"]) + " |")
+        L.append("| **total** | " + " | ".join(f"**{r['total'] / GB:.1f}**" for r in m["rows"]) + " |")
+        L.append("| fits 80 GB | " + " | ".join("yes" if r["total"] < 76 * GB else "no" for r in m["rows"]) + " |")
+        L.append(f"| host RAM per rank at load (current library) | " + " | ".join(f"{r['host_load'] / GB:.0f}" for r in m["rows"]) + " |")
+        L.append("")
+        s = m.get("single_steps")
+        if s:
+            L += ["Single-process steps at 11B (host RAM, `step_memory`): " +
+                  ", ".join(f"{k} {v / GB:.1f} GB" for k, v in s.items()) + ".", ""]
+    for note in data.get("notes", []):
+        L.append(f"- {note}")
+    return "\n".join(L) + "\n"
+
+
+def describe(s: Size) -> str:
+    return (f"vocab {s.vocab_size} (+ image token), text {s.text_layers} layers (cross-attention at "
+            f"{s.cross_attention_layers}) of width {s.text_hidden} / MLP {s.text_intermediate}, "
+            f"{s.text_heads} / {s.text_kv_heads} heads; vision {s.vision_layers} + {s.vision_global_layers} layers "
+            f"of width {s.vision_hidden} / MLP {s.vision_intermediate}, {s.image_size} px, patch {s.patch_size}, "
+            f"{s.max_num_tiles} tile(s) = {s.max_num_tiles * ((s.image_size // s.patch_size) ** 2 + 1)} image tokens")
+
+
+def model_11b() -> dict:
+    config = full_11b_config()
+    counts = count_params(config)
+    rows = table_11b()
+    base = 0.6 * GB
+    return {"counts": counts, "rows": rows, "single_steps": step_memory(counts, base)}
+
+
+STEPS = ["build", "fit", "pack", "load_lazy", "load_eager", "generate_lazy", "generate_eager"]
+
+
+def run_all(only: list[str] | None = None, gen_tokens: int = 3) -> dict:
+    data = json.loads(REPORT_JSON.read_text()) if REPORT_JSON.exists() else {}
+    data.setdefault("steps", {})
+    import platform
+    data["machine"] = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GB:.0f} GB RAM, {platform.processor() or platform.machine()}, torch {torch.__version__}, no GPU"
+    data["base_rss_gb"] = round(base_rss_gb(), 3)
+    plan = only or STEPS + ["build_qat", "states_qat", "qat"]
+    for name in plan:
+        print(f"[skeleton] {name} ...", flush=True)
+        if name == "build_qat":
+            rec = measure("build", "qat")
+        elif name == "states_qat":
+            data["states_qat"] = derive_states("full", "qat")
+            continue
+        elif name == "qat":
+            rec = measure_qat("qat", teacher="shard", ckpt=True)
+            data["steps"]["qat_shard_ckpt"] = rec
+            print(json.dumps({k: v for k, v in rec.items() if k != "ranks"}, default=str)[:2000], flush=True)
+            write_report(finish(data))
+            continue
+        elif name.startswith("qat_"):          # qat_<teacher>_<ckpt|nockpt>
+            _, teacher, ck = name.split("_")
+            rec = measure_qat("qat", teacher=teacher, ckpt=ck == "ckpt")
+        elif name.startswith("generate"):
+            rec = measure(name, "full", str(gen_tokens))
+        else:
+            rec = measure(name, "full")
+        data["steps"][name] = rec
+        print(json.dumps({k: v for k, v in rec.items() if k != "ranks"}, default=str)[:1500], flush=True)
+        write_report(finish(data))
+    return finish(data)
+
+
+def finish(data: dict) -> dict:
+    data["skeleton"] = {}
+    for k in ("full", "qat"):
+        counts = count_params(skeleton_config(PRESETS[k]))
+        ck = sum(f.stat().st_size for f in dirs(k)["model"].glob("*.safetensors")) / GB if dirs(k)["model"].exists() else None
+        data["skeleton"][k] = {"size": dataclasses.asdict(PRESETS[k]), "description": describe(PRESETS[k]),
+                               "counts": counts, "checkpoint_gb": ck}
+    base = data.get("base_rss_gb", 0.6)
+    data["check"] = {"steps": check_steps(data["steps"], data["skeleton"]["full"]["counts"], base), "qat": {}}
+    for key, rec in data["steps"].items():
+        if key.startswith("qat") and "ranks" in rec and "error" not in rec:
+            data["check"]["qat"][key] = check_qat(rec, data["skeleton"]["qat"]["counts"], base)
+    data["model_11b"] = model_11b()
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["step"]:
+        run_step(argv[1:])
+        return
+    if argv[:1] == ["qat-rank"]:
+        preset, teacher, ckpt, steps, seq = argv[1], argv[2], argv[3] == "1", int(argv[4]), int(argv[5])
+        _qat_rank(preset, teacher, ckpt, steps, seq)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("all", help="run every step (or --only some) and write the reports")
+    a.add_argument("--only", nargs="*", help=f"steps among {STEPS + ['build_qat', 'states_qat', 'qat', 'qat_replicate_ckpt', 'qat_shard_nockpt']}")
+    a.add_argument("--tokens", type=int, default=3)
+    sub.add_parser("model", help="print the 11B memory model")
+    sub.add_parser("report", help="rewrite the reports from reports/skeleton_11b.json")
+    args = parser.parse_args(argv)
+    if args.cmd == "all":
+        write_report(run_all(args.only, args.tokens))
+    elif args.cmd == "model":
+        m = model_11b()
+        for r in m["rows"]:
+            print(f"teacher {r['teacher']:9s} ckpt {r['checkpointing']!s:5s} total {r['total'] / GB:7.1f} GB  " +
+                  "  ".join(f"{k} {v / GB:.1f}" for k, v in r["parts"].items()))
+    elif args.cmd == "report":
+        write_report(finish(json.loads(REPORT_JSON.read_text())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The 11B-shaped skeleton's code paths that run without a GPU or gigabytes: the memory model on a tiny config,
+the tiny skeleton built like a hub checkpoint and run, and gpu_check's no-GPU exit (benchmarks/skeleton_11b.py,
+benchmarks/gpu_check.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import skeleton_11b as S  # noqa: E402
+
+
+def test_count_params_matches_a_built_model():
+    from transformers import MllamaForConditionalGeneration
+
+    config = S.skeleton_config(S.PRESETS["tiny"])
+    counts = S.count_params(config)
+    torch.manual_seed(0)
+    model = MllamaForConditionalGeneration(config)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["quantised"] <= counts["total"]
+    assert counts["text_self_layers"] == 2 and counts["text_cross_layers"] == 1
+    assert counts["embed"] == (config.text_config.vocab_size + 8) * config.text_config.hidden_size
+
+
+def test_memory_model_on_a_tiny_config():
+    config = S.skeleton_config(S.PRESETS["tiny"])
+    counts = S.count_params(config)
+    P = counts["total"]
+    w = S.Workload(micro_batch=2, seq=32, tiles=1)
+    m = S.qat_memory(config, devices=4, workload=w, teacher="shard", checkpointing=True, counts=counts)
+    parts = m["parts"]
+    assert parts["masters_fp32"] == pytest.approx(4 * P / 4)
+    assert parts["grads_fp32"] == pytest.approx(4 * P / 4)
+    assert parts["adamw"] == pytest.approx(8 * P / 4)
+    assert m["total"] == pytest.approx(sum(parts.values()))
+    assert m["host_load"] == 6 * P
+    replicated = S.qat_memory(config, devices=4, workload=w, teacher="replicate", checkpointing=True, counts=counts)
+    assert replicated["parts"]["teacher"] == 2 * P
+    no_ckpt = S.qat_memory(config, devices=4, workload=w, teacher="shard", checkpointing=False, counts=counts)
+    assert no_ckpt["parts"]["activations"] > parts["activations"]
+    assert no_ckpt["parts"]["saved_quantised_weights"] > parts["saved_quantised_weights"]
+    # sharded state falls as 1/devices; activations do not depend on the device count
+    m8 = S.qat_memory(config, devices=8, workload=w, teacher="shard", checkpointing=True, counts=counts)
+    assert m8["parts"]["adamw"] == pytest.approx(parts["adamw"] / 2)
+    assert m8["parts"]["activations"] == parts["activations"]
+    # logits scale with tokens x vocabulary
+    w2 = S.Workload(micro_batch=4, seq=32, tiles=1)
+    assert S.activation_bytes(config, counts, w2, 2, True)["logits"] == \
+        pytest.approx(2 * S.activation_bytes(config, counts, w, 2, True)["logits"])
+    steps = S.step_memory(counts, base=0.5e9)
+    assert steps["load_eager"] > steps["load_lazy"] > 0.5e9
+
+
+def test_the_11b_counts_from_config_defaults():
+    counts = S.count_params(S.full_11b_config())
+    assert 10.6e9 < counts["total"] < 10.7e9           # Llama 3.2 11B Vision: 10.67 B parameters
+    assert counts["text_self_layers"] == 32 and counts["text_cross_layers"] == 8
+    assert counts["vision_local_layers"] == 32 and counts["vision_global_layers"] == 8
+    assert counts["largest_matrix"] == 128264 * 4096     # the token embedding (128,256 + 8 rows)
+
+
+def test_tiny_skeleton_builds_loads_and_runs(tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    size = S.PRESETS["tiny"]
+    info = S.build(tmp_path / "model", size, seed=3)
+    again = S.build(tmp_path / "again", size, seed=3)
+    assert info == again
+    a = (tmp_path / "model" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "again" / "model.safetensors").read_bytes()          # seeded: the same bytes
+    processor = AutoProcessor.from_pretrained(str(tmp_path / "model"))
+    tok = processor.tokenizer
+    assert tok.convert_tokens_to_ids("<|image|>") == size.vocab_size
+    specials = S.special_ids(size.vocab_size)
+    assert tok.convert_tokens_to_ids("<|eot_id|>") == specials["<|eot_id|>"]
+    model = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "model"), dtype=torch.float32).eval()
+    assert model.config.text_config.eos_token_id == [specials["<|end_of_text|>"], specials["<|eom_id|>"],
+                                                     specials["<|eot_id|>"]]
+    inputs = S.prompt_inputs(processor, size.max_num_tiles)
+    assert int((inputs["input_ids"] == size.vocab_size).sum()) == 1
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert torch.isfinite(logits).all() and logits.shape[-1] == size.vocab_size
+    pad = model.config.text_config.pad_token_id
+    assert float(model.model.language_model.embed_tokens.weight[pad].detach().abs().sum()) == 0.0
+
+
+def test_phases_record_peaks():
+    phases = S.Phases()
+    with phases("grow"):
+        x = torch.ones(20_000_000)                      # 80 MB
+        del x
+    rec = phases.records["grow"]
+    assert rec["peak_rss_gb"] >= rec["rss_start_gb"] + 0.05
+
+
+def test_gpu_check_without_a_gpu_says_so():
+    import gpu_check
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    reason = gpu_check.no_gpu_reason()
+    assert reason and "no CUDA GPU" in reason
+    assert gpu_check.main([]) == gpu_check.NO_GPU_STATUS
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--steps", "1"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "gpu_check: no CUDA GPU visible" in proc.stderr
+    p = gpu_check.predicted("tiny", batch=2, seq=32)
+    assert p["total_gb"] > 0 and "adamw" in p["parts_gb"]
