@@ -62,7 +62,9 @@ class Size:
     vision_heads: int = 16
     vision_layers: int = 2
     vision_global_layers: int = 1
-    intermediate_layers_indices: list[int] = field(default_factory=lambda: [0, 0, 1, 1, 1])   # 5: 7680 wide
+    # which local layers' outputs feed the projector (5 of them: 1280 x (1 + 5) = 7680 wide, as in the 11B;
+    # indices into the local layers' outputs, so below vision_layers)
+    intermediate_layers_indices: list[int] = field(default_factory=lambda: [0, 0, 1, 1, 1])
     image_size: int = 560
     patch_size: int = 14
     max_num_tiles: int = 4
@@ -71,15 +73,18 @@ class Size:
 PRESETS = {
     # The skeleton: every width of the 11B, 3 text layers (self, cross, self), 2 + 1 vision layers, 4 tiles.
     "full": Size(),
-    # The QAT reduction (2 CPU processes in 24 GB): same widths and heads, vocabulary 16,384 instead of 128,256,
-    # text 1 self + 1 cross layer, vision 1 local + 1 global layer, 1 tile (1,601 image tokens) instead of 4.
-    "qat": Size(vocab_size=16384, text_layers=2, cross_attention_layers=[1], vision_layers=1,
-                intermediate_layers_indices=[0, 0, 1, 1, 1], max_num_tiles=1),
+    # The QAT reduction (2 CPU processes in 24 GB): every matrix shape of the 11B except the vocabulary's:
+    # vocabulary 16,384 instead of 128,256, text 1 layer (a cross-attention layer: q/k/v/o and MLP have the
+    # self-attention layer's shapes), vision 1 local + 1 global layer, 1 tile (1,601 image tokens) instead of 4.
+    "qat": Size(vocab_size=16384, text_layers=1, cross_attention_layers=[0], vision_layers=1,
+                intermediate_layers_indices=[0, 0, 0, 0, 0], max_num_tiles=1),
     # For tests: tiny everything.
     "tiny": Size(vocab_size=1024, text_hidden=64, text_intermediate=128, text_heads=4, text_kv_heads=2,
                  vision_hidden=32, vision_intermediate=64, vision_heads=2, image_size=56, patch_size=14,
                  max_num_tiles=1),
 }
+PRESETS["tiny_qat"] = dataclasses.replace(PRESETS["tiny"], text_layers=1, cross_attention_layers=[0], vision_layers=1,
+                                          intermediate_layers_indices=[0, 0, 0, 0, 0])
 
 ASPECT_RATIOS = [[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]]
 
@@ -607,7 +612,13 @@ def derive_states(source: str, target: str) -> dict:
     fmt = formats.get("s3d8")
     states = fmt.load_states(dirs(source)["states"])
     names = quantised_weight_names(meta_model(skeleton_config(PRESETS[target])))
-    out = {saved.removesuffix(".weight"): states[saved.removesuffix(".weight")] for saved in names.values()}
+    cross = PRESETS[source].cross_attention_layers[0]
+    out = {}
+    for saved in names.values():
+        key = saved.removesuffix(".weight")
+        if key not in states:      # a text layer of another kind at this index: the source's cross layer
+            key = re.sub(r"(language_model\.(?:model\.)?layers\.)\d+\.", rf"\g<1>{cross}.", key)
+        out[saved.removesuffix(".weight")] = states[key]
     fmt.save_states(dirs(target)["states"], out)
     return {"matrices": len(out), "from": source}
 
