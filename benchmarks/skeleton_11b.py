@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
 import subprocess
@@ -355,7 +354,7 @@ def activation_bytes(config, counts: dict, w: Workload, compute_bytes: int, chec
     self_full = text_tokens * (12 * h + 4 * kv + 5 * i)
     cross_full = text_tokens * (12 * h + 2 * kv + 5 * i) + img_tokens * (2 * h + 3 * kv)
     vis_full = vis_tokens * (12 * d + 5 * m)
-    vis_attn = b * w.tiles * 0                         # placeholder, set below
+    vis_attn = 0
     if eager_vision_attention:                         # attention probabilities materialised (math path, 4-D mask)
         vis_attn = b * sh["vision_heads"] * (w.tiles * sh["padded"]) ** 2
     vision_keep = vis_tokens * d * (sh["n_int"] + 1) + img_tokens * h      # encoder outputs + projected tokens
@@ -876,7 +875,7 @@ def markdown(data: dict) -> str:
             elif name.startswith("generate"):
                 res = (f"{r.get('prompt_tokens')} prompt + {r.get('image_tokens')} image tokens; logits finite "
                        f"{r.get('logits_finite')}; {len(r.get('generated', []))} tokens at {r.get('generate_tokens_per_s')} tok/s")
-            elif name == "build":
+            elif name.startswith("build"):
                 res = f"{r.get('params', 0) / 1e9:.3f} B params, {r.get('bytes', 0) / GB:.2f} GB"
             L.append(f"| {name} | {rec['preset']} | {rec['seconds']} | {_gb(rec['peak_rss_gb'])} | {phase_s} | {res} |")
         L.append("")
@@ -904,7 +903,7 @@ def markdown(data: dict) -> str:
         L += ["## The memory model: Llama 3.2 11B Vision on 8 x 80 GB GPUs, FSDP2, bf16 compute", "",
               f"Parameters (MllamaConfig defaults on `meta`, 560-pixel tiles): {c['total'] / 1e9:.3f} B, of which "
               f"{c['quantised'] / 1e9:.3f} B quantised in {c['quantised_matrices']} matrices; largest FSDP unit "
-              f"{c['largest_unit'] / 1e6:.0f} M (a text decoder layer), embedding {c['embed'] / 1e6:.0f} M, "
+              f"{c['largest_unit'] / 1e6:.0f} M (the token embedding; a text decoder layer is {c['text_self_layer'] / 1e6:.0f} M), embedding {c['embed'] / 1e6:.0f} M, "
               f"lm_head {c['lm_head'] / 1e6:.0f} M. Workload: batch 128 = 8 GPUs x micro-batch "
               f"{m['rows'][0]['workload']['micro_batch']} x grad_accum 4, {m['rows'][0]['workload']['seq']} text tokens "
               f"+ {m['rows'][0]['workload']['tiles']} tiles x 1601 = 6404 image tokens a sequence.", "",
@@ -919,8 +918,20 @@ def markdown(data: dict) -> str:
         L.append("")
         s = m.get("single_steps")
         if s:
-            L += ["Single-process steps at 11B (host RAM, `step_memory`): " +
-                  ", ".join(f"{k} {v / GB:.1f} GB" for k, v in s.items()) + ".", ""]
+            ratios = {r["step"]: r["ratio"] for r in chk.get("steps", [])}
+            L += ["Single-process steps at 11B (host RAM, `step_memory`; calibrated = predicted x the skeleton's "
+                  "measured / predicted ratio; fit and pack stream one matrix at a time and the skeleton's largest "
+                  "matrix is the 11B's, the token embedding, so their peaks do not grow with depth):", "",
+                  "| step | predicted GB | calibrated GB |", "|---|---:|---:|"]
+            for k, v in s.items():
+                cal = f"{v / GB * ratios[k]:.1f}" if k in ratios else "-"
+                L.append(f"| {k} | {v / GB:.1f} | {cal} |")
+            L.append("")
+            host = m["rows"][0]["host_load"]
+            L += [f"Host RAM at QAT start with the current library: every rank loads the whole bf16 teacher and fp32 "
+                  f"student before sharding, {host / GB:.0f} GB a rank, {8 * host / GB:.0f} GB for the node's 8 ranks; "
+                  f"a student built on `meta` and filled by a rank-0 broadcast (README) would need one copy, "
+                  f"{host / GB:.0f} GB on rank 0 only, or none with per-rank sharded loading.", ""]
     for note in data.get("notes", []):
         L.append(f"- {note}")
     return "\n".join(L) + "\n"
@@ -934,11 +945,11 @@ def describe(s: Size) -> str:
             f"{s.max_num_tiles} tile(s) = {s.max_num_tiles * ((s.image_size // s.patch_size) ** 2 + 1)} image tokens")
 
 
-def model_11b() -> dict:
+def model_11b(base_gb: float = 0.3) -> dict:
     config = full_11b_config()
     counts = count_params(config)
     rows = table_11b()
-    base = 0.6 * GB
+    base = base_gb * GB
     return {"counts": counts, "rows": rows, "single_steps": step_memory(counts, base)}
 
 
@@ -978,7 +989,36 @@ def run_all(only: list[str] | None = None, gen_tokens: int = 3) -> dict:
     return finish(data)
 
 
+NOTES = [
+    "Image tokens: Mllama's vision encoder runs 4 tiles x 1,608 patches (1,601 padded to a multiple of 8) = 6,432 "
+    "positions, and the language model cross-attends to 4 x 1,601 = 6,404 image tokens a picture; 7,680 is the "
+    "width of the vision output (1280 x (1 final + 5 intermediate layers)), the projector's input, not a token count.",
+    "Processor: the toy builder cannot be reused (its vocabulary is a BPE trainer's target, never reached by a small "
+    "corpus, and its specials sit at ids 0-10), so `build_processor` trains a ~1k-token byte-level BPE with the Llama 3 "
+    "pre-tokenizer, pads the vocabulary with unreachable filler tokens, puts the 256 Llama 3 specials at "
+    "128000-128255 and `<|image|>` at 128256; Mllama's image processor at 560 px x 4 tiles; the toy's chat template.",
+    "Weights: built on `meta`, materialised empty in bf16 and filled in place tensor by tensor (seeded per name: "
+    "N(0, 0.02), norms 1, tanh gates 1, the padding row 0), then `save_pretrained` in 2 GB shards: one bf16 copy.",
+    "Pack: a direct cast with the format's own absmax encoder (`fmt.pack`), not the pipeline's default PTQ scale "
+    "search (`pack.method: search`); `write_model_dir` (HF directory, config in the metadata).",
+    "QAT ran on the reduction `qat` (2 CPU processes, gloo, FSDP2, fp32 compute, teacher sharded, gradient "
+    "checkpointing, 3 steps of 2 sequences of 128 tokens): every 11B matrix shape except the vocabulary's "
+    "(16,384 rows instead of 128,256), 1 text layer (cross-attention), 1 + 1 vision layers, 1 tile. The full "
+    "skeleton does not fit: every rank loads the whole bf16 teacher and fp32 student before sharding (6 B/param x "
+    "1.87 B x 2 ranks = 22 GB) and the measured train phase is ~19 B/param a rank. Its S3D8 tables are the full "
+    "skeleton's (same checkpoint names; an S3D8 state is a 32 x 3 table whatever the matrix's shape).",
+    "Lazy vs eager: both generate the same tokens from the same logits path; lazy keeps the model at ~1 GB "
+    "(the 0.63 GB file) but its forward peaks at ~8.7 GB: each LazyPackedLinear decodes its whole weight per call, "
+    "and lm_head (128,256 x 4096) decodes to 2.1 GB fp32 plus the decoder's temporaries (~7 GB transient); the "
+    "eager forward adds only ~0.9 GB to its 8 GB of decoded weights. Decoding lm_head in row blocks would bound this.",
+    "The memory model's activation terms are estimates (element counts per token and layer, SDPA without stored "
+    "attention probabilities); the parameter terms are exact byte counts. On the CPU skeleton the train phase also "
+    "holds fp32 fake-quant temporaries of the largest gathered unit and allocator slack, hence the ratio above 1.",
+]
+
+
 def finish(data: dict) -> dict:
+    data["notes"] = NOTES
     data["skeleton"] = {}
     for k in ("full", "qat"):
         counts = count_params(skeleton_config(PRESETS[k]))
@@ -990,7 +1030,7 @@ def finish(data: dict) -> dict:
     for key, rec in data["steps"].items():
         if key.startswith("qat") and "ranks" in rec and "error" not in rec:
             data["check"]["qat"][key] = check_qat(rec, data["skeleton"]["qat"]["counts"], base)
-    data["model_11b"] = model_11b()
+    data["model_11b"] = model_11b(base)
     return data
 
 

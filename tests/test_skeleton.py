@@ -118,3 +118,17 @@ def test_gpu_check_without_a_gpu_says_so():
     assert "gpu_check: no CUDA GPU visible" in proc.stderr
     p = gpu_check.predicted("tiny", batch=2, seq=32)
     assert p["total_gb"] > 0 and "adamw" in p["parts_gb"]
+
+
+def test_gpu_check_cpu_side_builds_the_tiny_skeleton_and_its_states(tmp_path, monkeypatch):
+    import gpu_check
+    from pipeline import formats
+    from pipeline.models import meta_model, quantised_weight_names
+
+    monkeypatch.setattr(S, "WORK", tmp_path)
+    info = gpu_check.ensure_skeleton("tiny", fit=False)
+    assert "shared" in info["states"]
+    states = formats.get("s3d8").load_states(S.dirs("tiny")["states"])
+    names = quantised_weight_names(meta_model(S.skeleton_config(S.PRESETS["tiny"])))
+    assert set(states) == {saved.removesuffix(".weight") for saved in names.values()}
+    assert gpu_check.ensure_skeleton("tiny", fit=False) == {"model_dir": str(S.dirs("tiny")["model"])}   # reused
