@@ -156,10 +156,8 @@ def test_wheel_installs_and_runs_without_the_repository(wheel, tmp_path):
                   "print((r.files('pipeline') / 'toy' / 'chat_template.jinja').is_file())"], cwd=work).stdout.split()
     assert probe[0].startswith(str(tmp_path / "venv")) and probe[1] in ("scalar", "avx2", "avx512", "neon")
     assert int(probe[2]) > 100 and probe[3] == "True"
-    # one subcommand on a tiny model: pack it (native encoder), export the .sqt, check it
-    from tests.stage_helpers import build_tiny_teacher
-
-    teacher = build_tiny_teacher(tmp_path / "teacher")
+    # the CLI on the toy teacher (committed in data/toy-teacher): pack it (native encoder), export the .sqt, check it
+    teacher = REPO / "data" / "toy-teacher"
     env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     out = _run([s3d8, "pack", teacher, work / "packed"], cwd=work, env=env).stdout
     assert "bits/param nominal" in out and (work / "packed" / "tokenizer.json").is_file()
