@@ -124,12 +124,6 @@ class PackedEmbedding(Quantised):
 _ROW_BLOCK_ELEMS = 1 << 20      # weights decoded at a time when validating or gathering embedding rows
 
 
-def _row_block(fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int], r0: int,
-               r1: int) -> tuple[dict[str, torch.Tensor], tuple[int, int]] | None:
-    """Rows ``r0 .. r1`` of a packed weight as a weight of their own (``fmt.row_block``), or None."""
-    return fmt.row_block(tensors, shape, r0, r1)
-
-
 def _block_rows(shape: tuple[int, int]) -> int:
     return max(3, _ROW_BLOCK_ELEMS // max(shape[1], 1) // 3 * 3)
 
@@ -138,11 +132,11 @@ def _validate_blockwise(fmt: FormatBase, tensors: dict[str, torch.Tensor], shape
     """Decode the weight block by block and drop it: the format's own checks run on every byte,
     with memory bounded by one block."""
     rows = _block_rows(shape)
-    if _row_block(fmt, tensors, shape, 0, min(rows, shape[0])) is None:
+    if fmt.row_block(tensors, shape, 0, min(rows, shape[0])) is None:
         fmt.unpack(tensors, shape)
         return
     for r0 in range(0, shape[0], rows):
-        part, part_shape = _row_block(fmt, tensors, shape, r0, min(r0 + rows, shape[0]))
+        part, part_shape = fmt.row_block(tensors, shape, r0, min(r0 + rows, shape[0]))
         fmt.unpack(part, part_shape)
 
 
@@ -206,14 +200,14 @@ class LazyPackedEmbedding(_LazyPacked):
                              f"{d_out} embeddings")
         tensors = self.packed_tensors
         rows = _block_rows(self.shape)
-        if _row_block(self.format, tensors, self.shape, 0, min(rows, d_out)) is None:
+        if self.format.row_block(tensors, self.shape, 0, min(rows, d_out)) is None:
             return F.embedding(ids, self.weight, self.padding_idx)
         unique, inverse = torch.unique(ids, return_inverse=True)
         gathered = torch.empty(unique.numel(), d_in, dtype=self.weight_dtype)
         blocks = unique // rows
         for b in torch.unique(blocks).tolist():
             r0 = b * rows
-            part, part_shape = _row_block(self.format, tensors, self.shape, r0, min(r0 + rows, d_out))
+            part, part_shape = self.format.row_block(tensors, self.shape, r0, min(r0 + rows, d_out))
             decoded = self.format.unpack(part, part_shape).to(self.weight_dtype)
             where = (blocks == b).nonzero().reshape(-1)
             gathered[where] = decoded[unique[where] - r0]

@@ -418,29 +418,28 @@ def lean_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling =
             if n + max_new_tokens > model.max_len:
                 model.allocate(n + max_new_tokens)
             logits = model.forward(ids, 0)
-            for step in range(max_new_tokens):
-                tok = pick(logits, sampling, gen)
-                tokens.append(tok)
-                stamps.append(time.perf_counter())
-                if on_token:
-                    on_token(tok)
-                if (eos and tok in eos) or step == max_new_tokens - 1:
-                    break
-                logits = model.forward(torch.tensor([tok]), n + step)
+
+            def advance(tok: int, step: int) -> torch.Tensor:
+                return model.forward(torch.tensor([tok]), n + step)
         else:
             kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
             cam = kwargs.pop("cross_attention_mask", None)
-            out = model(**kwargs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)
-            for step in range(max_new_tokens):
-                tok = pick(out.logits[0, -1], sampling, gen)
-                tokens.append(tok)
-                stamps.append(time.perf_counter())
-                if on_token:
-                    on_token(tok)
-                if (eos and tok in eos) or step == max_new_tokens - 1:
-                    break
-                out = model(input_ids=torch.tensor([[tok]]), cache=out.cache, use_cache=True, logits_to_keep=1,
-                            cross_attention_mask=None if cam is None else cam[:, -1:])
+            out = [model(**kwargs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)]
+            logits = out[0].logits[0, -1]
+
+            def advance(tok: int, step: int) -> torch.Tensor:
+                out[0] = model(input_ids=torch.tensor([[tok]]), cache=out[0].cache, use_cache=True, logits_to_keep=1,
+                               cross_attention_mask=None if cam is None else cam[:, -1:])
+                return out[0].logits[0, -1]
+        for step in range(max_new_tokens):
+            tok = pick(logits, sampling, gen)
+            tokens.append(tok)
+            stamps.append(time.perf_counter())
+            if on_token:
+                on_token(tok)
+            if (eos and tok in eos) or step == max_new_tokens - 1:
+                break
+            logits = advance(tok, step)
     return _finish(tokens, n, t0, stamps)
 
 

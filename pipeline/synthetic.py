@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.quant import int8_activations
+
 from pipeline.io import atomic_path
 
 BLOCK_ELEMS = 1 << 25          # weights generated at a time (128 MiB of float32)
@@ -177,13 +179,6 @@ def _specs(fmt: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, torc
     return out
 
 
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel symmetric INT8: scale = bf16(absmax / 127) (absmax 0 -> smallest normal), q = round(w / scale)."""
-    scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(2.0 ** -126).to(torch.bfloat16)
-    q = torch.round(w / scale.float()).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
 def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int = 0,
                     formats: tuple[str, ...] = FORMATS, progress=None) -> dict[str, Path]:
     """Write ``out_dir/<preset>/<fmt>.safetensors`` for each format in one pass; returns the paths."""
@@ -234,7 +229,7 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
                     writers["s3d8"].write(f"{tname}.packed", packed)
                     scales["s3d8"].append(sc)
                 if "int8" in writers:
-                    q, sc = int8_rows(block)
+                    q, sc = int8_activations(block)     # the INT8 format's rows: the one quantiser
                     writers["int8"].write(f"{tname}.int8", q)
                     scales["int8"].append(sc)
                 if "bf16" in writers:

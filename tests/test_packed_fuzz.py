@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ from pipeline.checkpoint import CheckpointReader  # noqa: E402
 from pipeline.models import load_model  # noqa: E402
 from pipeline.packed import load_packed_model, write_packed  # noqa: E402
 from tests.conftest import tiny_inputs  # noqa: E402
+from tests.test_hardening import deadline  # noqa: E402
 from tests.test_packed import fit_all  # noqa: E402
 
 SCALE = float(os.environ.get("S3D8_FUZZ_EXAMPLES", "1"))
@@ -44,19 +43,6 @@ DTYPES = ["F32", "F16", "BF16", "F64", "I8", "U8", "I16", "I32", "I64", "BOOL", 
 
 def examples(n: int) -> settings:
     return settings(FUZZ, max_examples=max(1, int(n * SCALE)))
-
-
-@contextmanager
-def deadline(seconds: int):
-    def fail(*_):
-        raise TimeoutError(f"loader hung for {seconds} s")
-    old = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")

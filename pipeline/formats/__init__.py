@@ -48,10 +48,6 @@ def packable() -> list[FormatBase]:
     return [f for f in _FORMATS.values() if f.layout is not None]
 
 
-def by_layout(layout: str) -> list[FormatBase]:
-    return [f for f in _FORMATS.values() if f.layout == layout]
-
-
 def direct_cast(name: str, weight, *, method: str | None = None, importance=None, hessian=None, seed: int = 0):
     """The decoded ``float32`` weight a packer writes for format ``name`` cast by the post-training
     ``method`` (``"absmax"``, ``"search"``, ``"gptq"``; None: ``pipeline.ptq.DEFAULT_METHOD``), bit for bit.
