@@ -97,10 +97,13 @@ def test_tiny_skeleton_builds_loads_and_runs(tmp_path):
 def test_phases_record_peaks():
     phases = S.Phases()
     with phases("grow"):
-        x = torch.ones(20_000_000)                      # 80 MB
+        x = torch.ones(100_000_000)                     # 400 MB, every page written
         del x
     rec = phases.records["grow"]
-    assert rec["peak_rss_gb"] >= rec["rss_start_gb"] + 0.05
+    # Other pages of the process (shared libraries, page cache) may be reclaimed meanwhile on a busy machine,
+    # so the bound leaves room: a peak that was not reset or not read would miss the 400 MB entirely.
+    assert rec["peak_rss_gb"] >= rec["rss_start_gb"] + 0.3
+    assert rec["peak_rss_gb"] >= rec["rss_end_gb"]
 
 
 def test_gpu_check_without_a_gpu_says_so():
