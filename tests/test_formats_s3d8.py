@@ -124,6 +124,30 @@ def test_quantize_native_and_reference_paths_agree():
         assert torch.equal(s3d8.quantize(weight, table, use_native=False), s3d8.quantize(weight, table))
 
 
+@pytest.mark.parametrize("sizes", [(5, 48), s3d8._ACCELERATOR_WORK_SIZES])
+def test_work_sizes_do_not_change_a_bit(monkeypatch, sizes):
+    """The accelerator's large steps (and tiny ones that split rows and steps unevenly) give the CPU's bits:
+    the step size bounds memory, never the arithmetic."""
+    torch.manual_seed(5)
+    weight = torch.randn(100, 70) * torch.rand(100, 1)
+    table = s3d8.fit_centroids(weight, seed=1)
+    expected = s3d8.quantize(weight, table, use_native=False)
+    packed = s3d8.encode(weight, table)
+    monkeypatch.setattr(s3d8, "_WORK_SIZES", {"cpu": sizes})
+    assert torch.equal(s3d8.quantize(weight, table, use_native=False), expected)
+    assert all(torch.equal(a, b) for a, b in zip(s3d8.encode(weight, table), packed))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+def test_quantize_on_cuda_equals_the_cpu_bit_for_bit():
+    torch.manual_seed(6)
+    weight = torch.randn(300, 257)
+    table = s3d8.fit_centroids(weight)
+    expected = s3d8.quantize(weight, table, use_native=False)
+    got = s3d8.quantize(weight.cuda(), table)
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), expected)
+
+
 def test_quantize_keeps_dtype_and_passes_gradient_straight_through():
     weight = torch.randn(9, 32, dtype=torch.bfloat16, requires_grad=True)
     table = s3d8.fit_centroids(weight.detach())

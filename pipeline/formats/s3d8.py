@@ -25,8 +25,16 @@ GROUP = 3          # weights per byte, along the output dimension
 COL_ALIGN = 16     # d_in is padded to a multiple of this
 TABLE_BYTES = N_CENTROIDS * GROUP
 
-_SEARCH_CHUNK = 8192           # vectors per nearest-centroid step: [32, 8192] float32 = 1 MiB
-_ROW_BLOCK_ELEMS = 1 << 23     # weights per encoding block (32 MiB as float32), bounds memory for any size
+# Work sizes per device type: (vectors per nearest-centroid step, weights per encoding block). On the CPU a
+# step's two [32, chunk] float32 buffers stay in cache (1 MiB each) and a block is 32 MiB; on an accelerator
+# each step is one kernel launch, so steps are large (two 512 MiB buffers, blocks of 512 MiB): a whole 11B
+# fake-quantisation is some 800 steps instead of 430,000. Same arithmetic, so the same bits, at any size.
+_WORK_SIZES = {"cpu": (8192, 1 << 23)}
+_ACCELERATOR_WORK_SIZES = (1 << 22, 1 << 27)
+
+
+def _work_sizes(device: torch.device) -> tuple[int, int]:
+    return _WORK_SIZES.get(device.type, _ACCELERATOR_WORK_SIZES)
 
 
 def packed_shape(shape) -> tuple[int, int]:
@@ -57,16 +65,17 @@ def _nearest_columns(a_t: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor
 
     Distances are laid out ``[32, chunk]`` so every step is a contiguous vector operation; the
     first minimal index is found as ``min(where(d == min(d), i, 32))`` (torch's argmin over a short
-    axis is several times slower). Temporaries are two ``[32, chunk]`` buffers, 2 MiB in all.
+    axis is several times slower). Temporaries are two ``[32, chunk]`` buffers (:func:`_work_sizes`).
     """
     c = centroids.float().to(a_t.device)
     n = a_t.shape[1]
+    chunk = _work_sizes(a_t.device)[0]
     index = torch.arange(c.shape[0], dtype=torch.int32, device=a_t.device)[:, None]
     out = torch.empty(n, dtype=torch.int64, device=a_t.device)
-    dist = torch.empty(c.shape[0], min(n, _SEARCH_CHUNK), device=a_t.device)
+    dist = torch.empty(c.shape[0], min(n, chunk), device=a_t.device)
     err = torch.empty_like(dist)
-    for start in range(0, n, _SEARCH_CHUNK):
-        part = a_t[:, start:start + _SEARCH_CHUNK]
+    for start in range(0, n, chunk):
+        part = a_t[:, start:start + chunk]
         d, e = dist[:, :part.shape[1]], err[:, :part.shape[1]]
         torch.sub(part[0], c[:, 0:1], out=d)     # (a - T)^2 == (T - a)^2 exactly
         d.mul_(d)
@@ -93,9 +102,9 @@ def _normalised_groups(weight: torch.Tensor, scale: torch.Tensor, row0: int, row
 
 def _iter_assign(weight, table, scale):
     """Yield ``(g0, q [G_b, K] int64, signs [G_b, K, 3] bool)`` for blocks of groups, so that
-    temporaries stay bounded (about 100 MiB) whatever the matrix size."""
+    temporaries stay bounded (a few times the block of :func:`_work_sizes`) whatever the matrix size."""
     n_groups, d_in_padded = packed_shape(weight.shape)
-    groups_per_block = max(1, _ROW_BLOCK_ELEMS // (GROUP * d_in_padded))
+    groups_per_block = max(1, _work_sizes(weight.device)[1] // (GROUP * d_in_padded))
     for g0 in range(0, n_groups, groups_per_block):
         g1 = min(n_groups, g0 + groups_per_block)
         v = _normalised_groups(weight, scale, g0 * GROUP, (g1 - g0) * GROUP, d_in_padded)
