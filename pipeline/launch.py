@@ -13,9 +13,6 @@ The process-group backend is gloo on CPU and NCCL on GPU (``launch.backend: auto
 ``num_machines``, ``main_address``, ``main_port``, ``rdzv_id``; the machine's rank from ``$MACHINE_RANK``);
 ``launch.num_processes`` counts the processes of all machines together. The resolved settings are handed to
 the script in ``$PIPELINE_LAUNCH`` (JSON), so a script reads the same settings the launcher used.
-
-A script that does not split its work across processes (``SINGLE_PROCESS``) runs on one process whatever
-``launch.num_processes`` says, with a note: N copies of it would only repeat the same work.
 """
 
 from __future__ import annotations
@@ -31,12 +28,6 @@ from typing import Literal
 from pipeline.params import ParamsError, from_dict, load_yaml, non_negative, positive
 
 ENV = "PIPELINE_LAUNCH"
-
-SINGLE_PROCESS = {
-    "stages/eval.py": "pipeline/eval/suite.py scores every model on this process (it does not split models "
-                      "across processes yet)",
-}
-"""Scripts that run on one process only, and why."""
 
 
 @dataclass
@@ -95,21 +86,11 @@ def read_topology(path: str | Path) -> Topology:
     return from_dict(Topology, doc or {}, prefix=f"launch.config_file {path}:")
 
 
-def single_process(script: str) -> str | None:
-    """Why ``script`` runs on one process only (None: it splits its work across processes)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        key = Path(script).resolve().relative_to(root).as_posix()
-    except ValueError:
-        key = Path(script).as_posix()
-    return SINGLE_PROCESS.get(key)
-
-
 def command(script: str, args: list[str], p: LaunchParams) -> list[str]:
     """The command line that runs ``script`` under the settings ``p``."""
     if p.num_processes < 1:
         raise ParamsError(f"parameter 'launch.num_processes': {p.num_processes} must be >= 1")
-    processes = 1 if single_process(script) else p.num_processes
+    processes = p.num_processes
     if p.config_file is None and processes == 1:
         return [sys.executable, script, *args]
     run = [sys.executable, "-m", "torch.distributed.run"]
@@ -150,8 +131,6 @@ def main(argv: list[str] | None = None) -> None:
     except (ParamsError, FileNotFoundError, ValueError) as e:
         print(f"launch: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    if single_process(script) and p.num_processes > 1:
-        print(f"launch: {script} runs on one process ({single_process(script)})", file=sys.stderr)
     os.environ[ENV] = json.dumps(dataclasses.asdict(p))
     sys.stdout.flush()
     sys.stderr.flush()

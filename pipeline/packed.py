@@ -122,6 +122,7 @@ class PackedEmbedding(Quantised):
 
 
 _ROW_BLOCK_ELEMS = 1 << 20      # weights decoded at a time when validating or gathering embedding rows
+_LINEAR_BLOCK_ELEMS = 1 << 26   # a lazy Linear above this many weights is decoded in blocks of rows (256 MB fp32)
 
 
 def _block_rows(shape: tuple[int, int]) -> int:
@@ -179,7 +180,23 @@ class LazyPackedLinear(_LazyPacked):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant:
             x = fake_quant_activations(x)
-        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        d_out, d_in = self.shape
+        rows = max(3, _LINEAR_BLOCK_ELEMS // d_in // 3 * 3)
+        tensors = self.packed_tensors
+        if d_out <= rows or self.format.row_block(tensors, self.shape, 0, rows) is None:
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        # A big weight (the 11B's lm_head: 128,256 x 4,096, 2.1 GB in fp32) is decoded a block of output rows
+        # at a time, each block's outputs written in place: the temporaries stay one block whatever its size.
+        # Each output is the same dot product; only a BLAS that picks another kernel for the block's shape
+        # can change the last bits (tested to 1e-5; toy-sized weights never take this path).
+        out = torch.empty(*x.shape[:-1], d_out, dtype=x.dtype, device=x.device)
+        for r0 in range(0, d_out, rows):
+            r1 = min(r0 + rows, d_out)
+            part, part_shape = self.format.row_block(tensors, self.shape, r0, r1)
+            w = self.format.unpack(part, part_shape).to(x.dtype)
+            out[..., r0:r1] = F.linear(x, w, None if bias is None else bias[r0:r1])
+        return out
 
 
 class LazyPackedEmbedding(_LazyPacked):
@@ -203,7 +220,7 @@ class LazyPackedEmbedding(_LazyPacked):
         if self.format.row_block(tensors, self.shape, 0, min(rows, d_out)) is None:
             return F.embedding(ids, self.weight, self.padding_idx)
         unique, inverse = torch.unique(ids, return_inverse=True)
-        gathered = torch.empty(unique.numel(), d_in, dtype=self.weight_dtype)
+        gathered = torch.empty(unique.numel(), d_in, dtype=self.weight_dtype, device=ids.device)
         blocks = unique // rows
         for b in torch.unique(blocks).tolist():
             r0 = b * rows
@@ -370,8 +387,8 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
 
     ``kernel="torch"``: ``F.linear`` on fake-quantised activations (the QAT forward, bit for bit), with
     ``decode="eager"`` (weights decoded once at load, in ``dtype``) or ``decode="lazy"`` (modules keep the
-    packed tensors and decode in each forward, embeddings only the rows looked up: same numbers, memory
-    about the file's size). ``kernel="native"`` (S3D8 only): the native kernels on the packed bytes for
+    packed tensors and decode in each forward, embeddings only the rows looked up, a Linear above 64M
+    weights a block of rows at a time: same numbers, memory about the file's size). ``kernel="native"`` (S3D8 only): the native kernels on the packed bytes for
     linear layers; embeddings follow ``decode``."""
     if decode not in DECODES:
         raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODES)}")

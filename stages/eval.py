@@ -1,6 +1,7 @@
 """DVC stage eval: score the bf16 teacher and every direct-cast and QAT model, loaded from packed files.
 
     python stages/eval.py
+    python -m pipeline.launch stages/eval.py      # what dvc.yaml runs: launch.num_processes ranks share the models
 
 Writes ``reports/eval.json`` (per model: format, method, bpp, size_mb, kl, scores per task, avg),
 ``reports/eval_scores.csv`` (score per task and model, for ``dvc plots``), ``reports/summary.md`` (the
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import argparse
 import time
+
+import pyarrow.parquet as pq
+from accelerate import PartialState
 
 import pipeline.toy  # noqa: F401  (registers the toy tasks and image pool)
 from pipeline import params
@@ -33,8 +37,12 @@ def main(argv: list[str] | None = None) -> None:
         teacher: TeacherParams = doc["teacher"]
         set_threads(p.threads)
         began = time.perf_counter()
-        with atomic_dir("reports/answers") as answers:
-            result, baselines = run(p, teacher, doc["formats"], doc["heldout_prompts"], args.teacher_data, answers)
+        result, baselines, answers = run(p, teacher, doc["formats"], doc["heldout_prompts"], args.teacher_data)
+        if not PartialState().is_main_process:
+            return
+        with atomic_dir("reports/answers") as out:
+            for name, table in answers.items():
+                pq.write_table(table, out / f"{name}.parquet")
         write_json("reports/eval.json", result)
         write_json("reports/eval_baselines.json", {"blind": baselines})
         write_text("reports/eval_scores.csv", scores_csv(result, p.tasks))

@@ -135,13 +135,33 @@ def test_bad_launch_parameters_are_one_line_naming_the_key(tmp_path, launch, mes
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_eval_runs_on_one_process_whatever_num_processes():
+def test_launch_command_starts_torchrun_for_several_processes():
     from pipeline.launch import LaunchParams, command
-    cmd = command("stages/eval.py", [], LaunchParams(num_processes=4))
-    assert cmd[1:] == ["stages/eval.py"]
+    assert command("stages/eval.py", [], LaunchParams())[1:] == ["stages/eval.py"]
     cmd = command("stages/qat_train.py", ["--format", "s3d8"], LaunchParams(num_processes=4))
     assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "4",
                        "stages/qat_train.py", "--format", "s3d8"]
+
+
+def test_eval_on_two_processes_writes_what_one_process_writes(runs, tmp_path):
+    """The models are dealt to 2 ranks and gathered: every report and answer file byte for byte as on one."""
+    out = {}
+    for n in (1, 2):
+        cwd = _copy_inputs(runs["one"], tmp_path / f"eval{n}", num_processes=n)
+        shutil.copytree(runs["one"] / "models", cwd / "models", symlinks=True)
+        doc = yaml.safe_load((cwd / "params.yaml").read_text())
+        doc["eval"]["blind_baseline"] = True
+        (cwd / "params.yaml").write_text(yaml.safe_dump(doc))
+        subprocess.run([sys.executable, str(STAGES / "pack_safetensors.py"), "--format", "s3d8"], cwd=cwd,
+                       env=_env(), check=True, capture_output=True)
+        proc = _launch(cwd, str(STAGES / "eval.py"))
+        log = proc.stdout + proc.stderr
+        if n == 2:
+            assert "on rank 1" in log
+        out[n] = {f.relative_to(cwd).as_posix(): f.read_bytes()
+                  for f in [cwd / "reports/eval.json", cwd / "reports/eval_baselines.json",
+                            *sorted((cwd / "reports/answers").glob("*.parquet"))]}
+    assert len(out[1]) == 5 and out[2] == out[1]
 
 
 def test_multi_node_config_builds_the_torchrun_rendezvous(monkeypatch):
