@@ -24,7 +24,7 @@ class HeldoutKL:
     @staticmethod
     @torch.inference_mode()
     def logits(model, batch) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k != "loss_mask"}
+        inputs = {k: v.to(model.device) for k, v in batch.items() if k != "loss_mask"}
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
         return model(**inputs).logits.float()
 
@@ -33,7 +33,8 @@ class HeldoutKL:
             return float("nan")
         total = tokens = 0.0
         for batch in self.batches:
-            total += response_kl_sum(self.logits(model, batch), self.logits(self.teacher, batch),
-                                     batch["loss_mask"]).item()
+            student = self.logits(model, batch)
+            total += response_kl_sum(student, self.logits(self.teacher, batch).to(student.device),
+                                     batch["loss_mask"].to(student.device)).item()
             tokens += int(batch["loss_mask"].sum())
         return total / tokens
