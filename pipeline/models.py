@@ -47,12 +47,12 @@ def load_processor(source: str):
     return AutoProcessor.from_pretrained(source)
 
 
-def meta_model(config):
+def meta_model(config, dtype: torch.dtype | None = None):
     """The model skeleton on the meta device: names and shapes without memory."""
     from transformers import AutoModelForImageTextToText
 
     with torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(config)
+        return AutoModelForImageTextToText.from_config(config, **({"dtype": dtype} if dtype else {}))
 
 
 def quantised_weight_names(model) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Launching on several processes (``pipeline.launch``) and QAT under DDP and FSDP2 on CPU (gloo), tiny Mllama.
 
-Tolerances, 1 process vs 2 at the same global batch: the per-step KL within 1e-5 relative on the first three
+Tolerances, 1 process vs 2 at the same global batch: the per-step KL within 1e-5 relative on the first two
 steps (measured: <= 1e-6; only the order of the gradient sums differs) and 1e-3 on all four (a few fake-quant
-codes flip once the weights differ in the last bits: measured 2.4e-4 at step 4); the final fp32 masters within
+codes flip once the weights differ in the last bits: measured 2.4e-4 at step 4 on an AMD EPYC, 9.4e-5 at
+step 3 on an Intel Xeon); the final fp32 masters within
 1e-3 absolute (the learning rate: one Adam step) and 2e-3 in relative norm. A killed 2-process FSDP2 run
 resumed on 2 processes ends byte for byte as the uninterrupted one.
 """
@@ -215,7 +216,7 @@ def test_ddp_and_fsdp2_on_two_processes_match_one_process(runs):
     assert len(ref) == 4
     for name in ("ddp2", "fsdp2"):
         kl = _kl(runs[name])
-        assert kl[:3] == pytest.approx(ref[:3], rel=1e-5), name
+        assert kl[:2] == pytest.approx(ref[:2], rel=1e-5), name
         assert kl == pytest.approx(ref, rel=1e-3), name
         with safe_open(str(runs["one"] / STUDENT), "pt") as a, safe_open(str(runs[name] / STUDENT), "pt") as b:
             assert set(a.keys()) == set(b.keys())
@@ -224,6 +225,9 @@ def test_ddp_and_fsdp2_on_two_processes_match_one_process(runs):
                 assert x.dtype == y.dtype and x.shape == y.shape, key
                 assert (x - y).abs().max() <= 1e-3, (name, key)
                 assert (x - y).norm() <= 2e-3 * x.norm() + 1e-6, (name, key)
+        for name_ in ("config.json", "generation_config.json"):     # rank 0 saves through the loaded skeleton
+            assert (runs[name] / "models/qat/s3d8" / name_).read_bytes() == \
+                (runs["one"] / "models/qat/s3d8" / name_).read_bytes(), (name, name_)
     assert not (runs["fsdp2"] / "checkpoints/qat/s3d8.dcp").exists(), "the finished run removes its checkpoint"
 
 

@@ -90,6 +90,26 @@ def shard(model: nn.Module, compute_dtype: torch.dtype | None = None) -> nn.Modu
     return model
 
 
+def fill_from_rank0(model: nn.Module, full: nn.Module | None, device: torch.device) -> None:
+    """Allocate the shards of ``model`` (built on ``meta`` and sharded) on ``device`` and fill them from rank 0's
+    whole copy ``full`` (None on the other ranks), one tensor at a time: parameters and persistent buffers
+    through ``set_model_state_dict(broadcast_from_rank0=True)``, the buffers a checkpoint never holds (rotary
+    frequencies, the fitted quantiser state) by a broadcast each."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank0 = dist.get_rank() == 0
+    if rank0 and full is None:
+        raise ValueError("fill_from_rank0: rank 0 must hold the whole model")
+    model.to_empty(device=device)
+    source = dict(full.named_buffers()) if rank0 else {}
+    for name, buffer in model.named_buffers():
+        if rank0:
+            buffer.copy_(source[name])
+        dist.broadcast(buffer, src=0)
+    set_model_state_dict(model, full.state_dict() if rank0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
 def _paths(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
 

@@ -32,7 +32,7 @@ from pipeline.formats import FormatBase
 from pipeline.io import atomic_dir
 from pipeline.launch import LaunchParams, resolve_backend
 from pipeline.launch import settings as launch_settings
-from pipeline.models import dtype_of, load_model, load_processor, states_by_module
+from pipeline.models import dtype_of, load_config, load_model, load_processor, meta_model, states_by_module
 from pipeline.params import bounded, non_negative, positive
 from pipeline.qat.api import prepare
 from pipeline.qat.data import Example, batch_indices, collate
@@ -108,14 +108,10 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     processor = load_processor(teacher_source)
     teacher = engine.teacher(load_model(teacher_source, dtype_of(teacher_dtype)))
     teacher.requires_grad_(False)
-    student = load_model(teacher_source, torch.float32)
-    prepare(student, fmt, states_by_module(student, states), act_quant=p.act_quant)
-    student.train()
-    if launch.gradient_checkpointing:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    student = engine.student(teacher_source, lambda model: prepare(model, fmt, states_by_module(model, states),
+                                                                   act_quant=p.act_quant), launch)
     bits = average_bits(student, fmt)
     lr = p.lr if p.lr is not None else recipe_lr(bits)
-    student = engine.wrap(student)
     optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
     student, optimizer = engine.prepare(student, optimizer)
     main = engine.rank == 0
@@ -205,7 +201,11 @@ class _Accelerate:
         self.teacher_dtype = model.dtype
         return model.to(self.device)
 
-    def wrap(self, student):
+    def student(self, source: str, quantise, launch: LaunchParams):
+        """The fp32 student, loaded whole on every process (DDP replicates it anyway)."""
+        student = load_model(source, torch.float32)
+        quantise(student)
+        _train_mode(student, launch)
         return student
 
     def prepare(self, student, optimizer):
@@ -264,9 +264,25 @@ class _FSDP2:
             return self.d.shard(model)
         return model.to(self.device)
 
-    def wrap(self, student):
-        dtype = torch.bfloat16 if self.launch.compute_dtype == "bfloat16" else None
-        return self.d.shard(student, dtype)
+    def student(self, source: str, quantise, launch: LaunchParams):
+        """The sharded fp32 student: rank 0 alone reads the checkpoint; every rank builds the model on ``meta``,
+        shards it, allocates its own shards and receives them from rank 0 tensor by tensor, so no other rank
+        ever holds the whole model (at 11B: 42 GB of fp32 per process that a node would otherwise hold 8
+        times)."""
+        dtype = torch.bfloat16 if launch.compute_dtype == "bfloat16" else None
+        full = None
+        if self.rank == 0:
+            full = load_model(source, torch.float32)
+            quantise(full)
+        student = meta_model(load_config(source), torch.float32)
+        quantise(student)
+        _train_mode(student, launch)
+        self.d.shard(student, dtype)
+        self.d.fill_from_rank0(student, full, self.device)
+        # Rank 0 keeps the loaded model's skeleton (no memory): saving through it writes the checkpoint's own
+        # tensor names and generation settings, exactly as the one-process run's save_pretrained does.
+        self.template = full.to("meta") if full is not None else None
+        return student
 
     def prepare(self, student, optimizer):
         return student, optimizer
@@ -300,7 +316,7 @@ class _FSDP2:
         state = self.d.full_state_dict(student)          # collective; rank 0 holds it, on CPU
         if self.rank == 0:
             with atomic_dir(out_dir) as tmp:
-                student.save_pretrained(tmp, state_dict=state)
+                self.template.save_pretrained(tmp, state_dict=state)
                 processor.save_pretrained(tmp)
         del state
         self.barrier()
@@ -309,6 +325,12 @@ class _FSDP2:
         if self.rank == 0:
             shutil.rmtree(checkpoint, ignore_errors=True)
         self.barrier()
+
+
+def _train_mode(student, launch: LaunchParams) -> None:
+    student.train()
+    if launch.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _log(live, record: dict) -> None:
