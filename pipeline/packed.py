@@ -34,13 +34,13 @@ PACKED_VERSION = "1"
 def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, states: dict[str, dict],
                  *, dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None,
                  progress: Callable[[str], None] | None = None,
-                 encode: Callable[[torch.Tensor, dict], dict[str, torch.Tensor]] | None = None) -> dict:
+                 encode: Callable[[str, torch.Tensor, dict], dict[str, torch.Tensor]] | None = None) -> dict:
     """Pack the checkpoint ``source``: weights named ``P.weight`` with an entry ``P`` in ``states``
-    are encoded in ``fmt`` (by ``encode(weight, state)``, default ``fmt.pack``: a post-training method such
+    are encoded in ``fmt`` (by ``encode(P, weight, state)``, default ``fmt.pack``: a post-training method such
     as ``pipeline.ptq``'s scale search may choose other scales and tables, the layout is the same); every
     other tensor is copied in ``dtype`` (if floating point). Streams one tensor at a time. Returns a
     summary (sizes, bits per parameter)."""
-    encode = encode or fmt.pack
+    encode = encode or (lambda _, weight, state: fmt.pack(weight, state))
     quantised = {f"{module}.weight": module for module in states}
     missing = sorted(name for name in quantised if name not in source)
     if missing:
@@ -81,7 +81,7 @@ def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, sta
                     cache.clear()
                     if progress:
                         progress(base)
-                    cache[base] = encode(source.get(base), states[quantised[base]])
+                    cache[base] = encode(quantised[base], source.get(base), states[quantised[base]])
                 writer.write(name, cache[base][suffix])
             else:
                 t = source.get(name)
@@ -533,4 +533,4 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
 @dataclass
 class PackParams:
     dtype: str = "bfloat16"      # of the tensors that are not quantised
-    method: Literal["absmax", "search"] = "search"   # the direct cast's post-training method (pipeline.ptq)
+    method: Literal["absmax", "search", "gptq"] = "search"   # the direct cast's post-training method (pipeline.ptq)

@@ -163,6 +163,7 @@ SECTIONS: dict[str, str] = {
     "fit": "pipeline.fit:FitParams",
     "sample": "pipeline.sample:SampleParams",
     "generate": "pipeline.generate:GenerateParams",
+    "calibrate": "pipeline.calibrate:CalibrateParams",
     "qat": "pipeline.qat.train:QATParams",
     "pack": "pipeline.packed:PackParams",
     "eval": "pipeline.eval.suite:EvalParams",

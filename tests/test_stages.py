@@ -19,7 +19,7 @@ from tests.stage_helpers import build_tiny_teacher, run_stage, run_stage_killed_
 STAGES = Path(__file__).resolve().parent.parent / "stages"
 
 CHAIN = [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",),
-         ("qat_train.py", "--format", "s3d8"), ("pack_safetensors.py", "--format", "s3d8"), ("eval.py",)]
+         ("calibrate.py",), ("qat_train.py", "--format", "s3d8"), ("pack_safetensors.py", "--format", "s3d8"), ("eval.py",)]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,39 @@ def test_a_planted_pickle_never_runs_and_training_starts_afresh(chain, tmp_path,
     log = run_stage(cwd, "qat_train.py", "--format", "s3d8").stderr
     assert not marker.exists()
     assert "not a readable checkpoint" in log and "starting afresh" in log
+
+
+def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
+    """calibrate holds X^T X for every quantised Linear (symmetric, finite); pack.method=gptq uses it: its direct
+    cast differs from the scale search's and has a lower output error tr(dW H dW^T) on the calibration set."""
+    import torch
+
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.models import load_config, meta_model, quantised_weight_names
+    from pipeline.packed import load_packed_model
+
+    with safe_open(str(chain / "data/calibration/hessians.safetensors"), "pt") as f:
+        hessians = {k: f.get_tensor(k) for k in f.keys()}
+        assert int(f.metadata()["prompts"]) == 20         # 24 answers less 4 held out, all of them
+    assert any(k.endswith("down_proj") for k in hessians) and not any("embed" in k for k in hessians)
+    for name, h in hessians.items():
+        assert torch.isfinite(h).all() and torch.equal(h, h.T) and bool((h.diagonal() >= 0).all()), name
+    cwd = workdir(tmp_path, teacher, **{"pack.method": "gptq"})
+    for part in ("data/centroids", "data/calibration", "models/qat"):
+        shutil.copytree(chain / part, cwd / part)
+    run_stage(cwd, "pack_safetensors.py", "--format", "s3d8")
+    teacher_w = CheckpointReader(teacher)
+    module_of = {saved.removesuffix(".weight"): module
+                 for module, saved in quantised_weight_names(meta_model(load_config(str(teacher)))).items()}
+    errors = {}
+    for method, root in (("search", chain), ("gptq", cwd)):
+        model = load_packed_model(root / "models/packed/s3d8/direct-cast/model.safetensors", act_quant=False)
+        total = 0.0
+        for name, h in hessians.items():
+            dw = model.get_submodule(module_of[name]).weight.float() - teacher_w.get(f"{name}.weight").float()
+            total += float(torch.einsum("ij,jk,ik->", dw, h, dw))
+        errors[method] = total
+    assert errors["gptq"] < errors["search"], errors
 
 
 def test_every_stage_has_help_without_side_effects(tmp_path):

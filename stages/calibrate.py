@@ -1,0 +1,48 @@
+"""DVC stage calibrate: ``X^T X`` of the teacher's inputs to every quantised Linear, for the post-training
+methods of pack-safetensors (GPTQ; ``pipeline/calibrate.py``).
+
+    python stages/calibrate.py
+
+Writes ``data/calibration/hessians.safetensors`` (one float32 ``[d_in, d_in]`` per weight, named as the
+checkpoint's ``P`` of ``P.weight``; prompts, tokens, seed and versions in the metadata).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+import pipeline.toy  # noqa: F401  (the `toy` image pool the teacher's answers refer to)
+from pipeline import params
+from pipeline.calibrate import CalibrateParams, hessians
+from pipeline.checkpoint import write_tensors
+from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
+
+OUT = "data/calibration/hessians.safetensors"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--teacher-data", default="data/teacher")
+    args = parser.parse_args(argv)
+    with stage_errors("calibrate"):
+        doc = params.read(args.params)
+        p: CalibrateParams = doc["calibrate"]
+        set_threads(p.threads)
+        began = time.perf_counter()
+        with progress() as bar:
+            task = bar.add_task("calibrate", total=p.n_prompts)
+            found, summary = hessians(p, doc["teacher"], args.teacher_data, doc["heldout_prompts"],
+                                      pool=doc["sample"].images, on_prompt=lambda: bar.advance(task))
+        write_tensors(OUT, found, {"params": json.dumps(asdict(p), sort_keys=True),
+                                   **{k: str(v) for k, v in summary.items()}, **versions()})
+        run_log("calibrate", seconds=round(time.perf_counter() - began, 2))
+        console.print(f"[green]calibrate[/] {summary['modules']} Linear inputs over {summary['prompts']} prompts "
+                      f"({summary['tokens']} tokens) -> {OUT}")
+
+
+if __name__ == "__main__":
+    main()
