@@ -648,7 +648,7 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
     phases = Phases()
     # Phase boundaries through the engine's own calls (wrapping, not changing, pipeline.qat.train._FSDP2).
     engine = qt._FSDP2
-    orig = {k: getattr(engine, k) for k in ("teacher", "wrap", "save_student")}
+    orig = {k: getattr(engine, k) for k in ("student", "save_student")}
     state = {"cm": None}
 
     def enter(name):
@@ -657,14 +657,10 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
         state["cm"] = phases(name)
         state["cm"].__enter__()
 
-    def teacher_hook(self, model):
-        r = orig["teacher"](self, model)
-        enter("load_student")                  # load_model(student fp32) + prepare + checkpointing
-        return r
-
-    def wrap_hook(self, student):
-        enter("shard_student")
-        r = orig["wrap"](self, student)
+    def student_hook(self, *args):
+        # rank 0 loads the fp32 student whole; every rank builds it on meta, shards it and receives its shards
+        enter("load_student")
+        r = orig["student"](self, *args)
         enter("train")                         # optimizer, steps (forward, backward, AdamW)
         return r
 
@@ -672,7 +668,7 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
         enter("save_student")
         return orig["save_student"](self, student, processor, out_dir)
 
-    engine.teacher, engine.wrap, engine.save_student = teacher_hook, wrap_hook, save_hook
+    engine.student, engine.save_student = student_hook, save_hook
     if rank == 0:
         shutil.rmtree(d["qat"], ignore_errors=True)
     launch = LaunchParams(num_processes=world, backend="gloo", strategy="fsdp2", compute_dtype="float32",
@@ -786,9 +782,8 @@ def check_qat(rec: dict, counts: dict, base: float) -> dict:
     teacher_kept = model["parts"]["teacher"]
     predicted = {
         "load_teacher": base * GB + teacher_full,
-        "load_student": base * GB + teacher_kept + 4 * P,          # the whole fp32 student on every rank
-        # sharding: the whole student still referenced while its shards are copied
-        "shard_student": base * GB + teacher_kept + 4 * P + 4 * P / world,
+        # rank 0: the whole fp32 student it loads (the other ranks never hold it) and its own shards filled from it
+        "load_student": base * GB + teacher_kept + 4 * P + 4 * P / world,
         "train": base * GB + model["total"],
         "save_student": base * GB + teacher_kept + 16 * P / world + 4 * P,   # rank 0 gathers the whole student
     }
