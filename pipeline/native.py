@@ -51,6 +51,7 @@ import operator
 import os
 import platform
 import threading
+import time
 
 import torch
 
@@ -360,6 +361,29 @@ def _choose_path(path: str | None, m: int, k: int) -> str:
     return path
 
 
+TUNE = os.environ.get("S3D8_TUNE_PATHS", "1") != "0"
+"""Above ``FUSED_MAX_M`` tokens on x86, time the tiled and torch paths on the first product of each size class
+and keep the faster (``S3D8_TUNE_PATHS=0``: the fixed thresholds above). Which INT8 GEMM wins depends on the CPU
+(AMD's oneDNN kernels lose to ours at 128 tokens, Intel's win); every path gives the same bits (tested), so
+tuning changes speed only."""
+_tuned: dict[tuple, str] = {}
+
+
+def _tuned_path(key: tuple, run) -> tuple[str, torch.Tensor]:
+    """``(path, result)``: the path tuned for ``key`` and ``run(path)``'s result; the first call of a key times
+    each candidate on a second, warm call."""
+    if key in _tuned:
+        return _tuned[key], run(_tuned[key])
+    times = {}
+    for candidate in ("tiled", "torch"):
+        run(candidate)                                   # warm: workspaces, page faults, oneDNN's kernel cache
+        began = time.perf_counter()
+        y = run(candidate)
+        times[candidate] = time.perf_counter() - began
+    _tuned[key] = min(times, key=times.get)
+    return _tuned[key], y
+
+
 def _int_mm_epilogue(xq: torch.Tensor, w: torch.Tensor, xs: torch.Tensor, w_scale, y: torch.Tensor,
                      v: int, threads: int) -> None:
     """``y = ((float)(xq @ w.T) * xs) * w_scale`` with torch's INT8 GEMM; ``y`` may be a column slice."""
@@ -390,6 +414,9 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
     v, t = _variant_index(variant), _threads(threads)
     x2 = x.reshape(-1, d_in)
     m = x2.shape[0]
+    if path is None and TUNE and _X86 and not _AMX and m > FUSED_MAX_M:
+        key = ("s3d8", v, t, m.bit_length(), d_in.bit_length(), d_out.bit_length())
+        return _tuned_path(key, lambda p: s3d8_matmul(x, packed, scale, table, shape, variant, threads, p))[1]
     y = torch.empty(m, d_out, dtype=torch.float32)
     chosen = _choose_path(path, m, d_in)
     if chosen != "fused" or m == 0:  # the fused path's C entry checks the centroids itself (-3)
@@ -439,6 +466,9 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     v, t = _variant_index(variant), _threads(threads)
     x2 = x.reshape(-1, d_in)
     m = x2.shape[0]
+    if path is None and TUNE and _X86 and not _AMX and m > FUSED_MAX_M:
+        key = ("s3d8", v, t, m.bit_length(), d_in.bit_length(), d_out.bit_length())
+        return _tuned_path(key, lambda p: s3d8_matmul(x, packed, scale, table, shape, variant, threads, p))[1]
     y = torch.empty(m, d_out, dtype=torch.float32)
     chosen = _choose_path(path, m, d_in)
     if m == 0:

@@ -505,3 +505,22 @@ def test_encode_row_with_a_tiny_absmax(variant):
     assert torch.equal(packed, ref_packed)
     decoded = s3d8.decode(packed, scale, table, (9, 40))
     assert decoded[3].abs().max() <= 127 * 2.0 ** -126
+
+
+def test_path_tuning_changes_speed_not_bits(monkeypatch):
+    """Above FUSED_MAX_M tokens (x86 without AMX) the first product of a size class times the tiled and torch
+    paths and keeps the faster; both give the reference's bits, so whichever wins, the result is the same."""
+    if not (native._X86 and not native._AMX):
+        pytest.skip("path tuning runs on x86 without AMX")
+    monkeypatch.setattr(native, "TUNE", True)
+    monkeypatch.setattr(native, "_tuned", {})
+    shape = (96, 160)
+    _, packed, scale, table = random_s3d8(*shape)
+    w_int8 = s3d8.decode_int8(packed, table, shape).contiguous()
+    x = activations(40, shape[1], seed=3)
+    xq, x_scale = int8_activations(x)
+    expected = int8_matmul_reference(xq, x_scale, w_int8, scale)
+    assert torch.equal(native.s3d8_matmul(x, packed, scale, table, shape), expected)
+    assert list(native._tuned.values())[0] in ("tiled", "torch") and len(native._tuned) == 1
+    assert torch.equal(native.s3d8_matmul(x, packed, scale, table, shape), expected)     # the tuned path
+    assert len(native._tuned) == 1
