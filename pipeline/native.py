@@ -466,9 +466,6 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     v, t = _variant_index(variant), _threads(threads)
     x2 = x.reshape(-1, d_in)
     m = x2.shape[0]
-    if path is None and TUNE and _X86 and not _AMX and m > FUSED_MAX_M:
-        key = ("s3d8", v, t, m.bit_length(), d_in.bit_length(), d_out.bit_length())
-        return _tuned_path(key, lambda p: s3d8_matmul(x, packed, scale, table, shape, variant, threads, p))[1]
     y = torch.empty(m, d_out, dtype=torch.float32)
     chosen = _choose_path(path, m, d_in)
     if m == 0:

@@ -174,3 +174,22 @@ def test_gguf_of_the_synthetic_weights(synth, tmp_path):
     names = {t.name: t for t in r.tensors}
     assert "token_embd.weight" in names and "blk.1.ffn_down.weight" in names and "output.weight" not in names
     assert names["blk.0.attn_q.weight"].tensor_type.name == "BF16"
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+])
+def test_rotary_tables_equal_hugging_face_bit_for_bit(rope):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = {"hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "max_position_embeddings": 131072, **rope}
+    hf = LlamaRotaryEmbedding(LlamaConfig(**cfg))
+    inv_freq, scaling = runtime._rotary(cfg)
+    assert torch.equal(inv_freq, hf.inv_freq.float()) and scaling == float(hf.attention_scaling)
+    with pytest.raises(runtime.RuntimeInputError, match="RoPE type 'yarn'"):
+        runtime._rotary({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})
