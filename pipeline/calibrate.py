@@ -27,7 +27,7 @@ class CalibrateParams:
     n_prompts: int = positive(128)      # teacher answers from the training split (all of them when fewer)
     max_seq_len: int = positive(160)    # longer prompt + answer sequences are cut here
     seed: int = 0
-    threads: int | None = None          # torch intra-op threads (null: torch's default)
+XX
 
 
 def hessians(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, heldout: int,
