@@ -17,7 +17,7 @@ import torch
 
 from pipeline import ptq
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
-from pipeline.params import positive
+from pipeline.params import non_negative, positive
 from pipeline.qat.data import collate, load_examples, split_heldout
 from pipeline.teacher import TeacherParams
 
@@ -27,7 +27,7 @@ class CalibrateParams:
     n_prompts: int = positive(128)      # teacher answers from the training split (all of them when fewer)
     max_seq_len: int = positive(160)    # longer prompt + answer sequences are cut here
     seed: int = 0
-XX
+    threads: int = non_negative(1)      # torch intra-op threads (0: torch's default)
 
 
 def hessians(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, heldout: int,
