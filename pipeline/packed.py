@@ -533,4 +533,4 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
 @dataclass
 class PackParams:
     dtype: str = "bfloat16"      # of the tensors that are not quantised
-    method: Literal["absmax", "search", "gptq"] = "search"   # the direct cast's post-training method (pipeline.ptq)
+    method: Literal["absmax", "search", "gptq"] = "gptq"   # the direct cast's post-training method (pipeline.ptq)

@@ -119,8 +119,8 @@ def test_a_planted_pickle_never_runs_and_training_starts_afresh(chain, tmp_path,
 
 
 def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
-    """calibrate holds X^T X for every quantised Linear (symmetric, finite); pack.method=gptq uses it: its direct
-    cast differs from the scale search's and has a lower output error tr(dW H dW^T) on the calibration set."""
+    """calibrate holds X^T X for every quantised Linear (symmetric, finite); pack.method=gptq (the default) uses
+    it: its direct cast has a lower output error tr(dW H dW^T) on the calibration set than the scale search's."""
     import torch
 
     from pipeline.checkpoint import CheckpointReader
@@ -133,7 +133,7 @@ def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     assert any(k.endswith("down_proj") for k in hessians) and not any("embed" in k for k in hessians)
     for name, h in hessians.items():
         assert torch.isfinite(h).all() and torch.equal(h, h.T) and bool((h.diagonal() >= 0).all()), name
-    cwd = workdir(tmp_path, teacher, **{"pack.method": "gptq"})
+    cwd = workdir(tmp_path, teacher, **{"pack.method": "search"})
     for part in ("data/centroids", "data/calibration", "models/qat"):
         shutil.copytree(chain / part, cwd / part)
     run_stage(cwd, "pack_safetensors.py", "--format", "s3d8")
@@ -141,7 +141,7 @@ def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     module_of = {saved.removesuffix(".weight"): module
                  for module, saved in quantised_weight_names(meta_model(load_config(str(teacher)))).items()}
     errors = {}
-    for method, root in (("search", chain), ("gptq", cwd)):
+    for method, root in (("gptq", chain), ("search", cwd)):
         model = load_packed_model(root / "models/packed/s3d8/direct-cast/model.safetensors", act_quant=False)
         total = 0.0
         for name, h in hessians.items():
@@ -218,7 +218,7 @@ def test_every_output_is_byte_reproducible(chain, tmp_path, teacher):
 def test_a_kill_inside_a_write_leaves_nothing_and_a_rerun_gives_the_same_outputs(chain, tmp_path, teacher,
                                                                                stage, function, calls):
     cwd = workdir(tmp_path, teacher)
-    for part in ("data/centroids", "data/sampled", "data/teacher", "models/qat"):
+    for part in ("data/centroids", "data/calibration", "data/sampled", "data/teacher", "models/qat"):
         if (chain / part).exists() and stage[0] not in ("sample_prompts.py",):
             shutil.copytree(chain / part, cwd / part)
     run_stage_killed_after(cwd, function, *stage, calls=calls)
