@@ -162,9 +162,9 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: CudaPhases)
         phases.enter("qat_train")
         return r
 
-    def save_hook(self, student, proc, out_dir):
+    def save_hook(self, student, proc, out_dir, *rest):
         phases.enter("qat_save_student")
-        return orig["save_student"](self, student, proc, out_dir)
+        return orig["save_student"](self, student, proc, out_dir, *rest)
 
     engine.teacher, engine.wrap, engine.save_student = teacher_hook, wrap_hook, save_hook
     launch = LaunchParams(num_processes=1, backend="nccl", strategy="fsdp2", compute_dtype="bfloat16",

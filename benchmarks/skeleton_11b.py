@@ -664,9 +664,9 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
         enter("train")                         # optimizer, steps (forward, backward, AdamW)
         return r
 
-    def save_hook(self, student, processor, out_dir):
+    def save_hook(self, student, processor, out_dir, *rest):
         enter("save_student")
-        return orig["save_student"](self, student, processor, out_dir)
+        return orig["save_student"](self, student, processor, out_dir, *rest)
 
     engine.student, engine.save_student = student_hook, save_hook
     if rank == 0:

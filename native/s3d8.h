@@ -164,6 +164,9 @@ int s3d8_linear_qsi8(int v, int threads, size_t m, size_t n, size_t k, const flo
 /* Channel scales then encoding, groups split over threads. */
 int s3d8_encode(int v, int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
                  const int8_t table[96], uint8_t *packed, uint16_t *scale);
+/* Encoding with given bf16 channel scales (a searched or trained scale; no clamping of |w / scale|). */
+int s3d8_encode_scaled(int v, int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
+                       const int8_t table[96], const uint16_t *scale, uint8_t *packed);
 int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
 

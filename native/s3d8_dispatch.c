@@ -332,6 +332,15 @@ static void dequant_rows(const void *p, int part, size_t b, size_t e) {
                   j->w_scale, (float *)j->out + b * j->out_stride, j->out_stride);
 }
 
+int s3d8_encode_scaled(int v, int threads, size_t d_out, size_t d_in, const float *w, size_t w_stride,
+                       const int8_t table[96], const uint16_t *scale, uint8_t *packed) {
+    job j = {.v = variant_or_null(v), .n = d_out, .k = d_in, .x = w, .x_stride = w_stride,
+             .table = table, .w_scale = scale, .out = packed};
+    if (!j.v) return -1;
+    parallel_for(threads, S3D8_GROUPS(d_out), encode_groups, &j);
+    return 0;
+}
+
 int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
     job j = {.v = variant_or_null(v), .m = m, .n = n, .w = acc, .w_stride = acc_stride,

@@ -14,12 +14,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 
 from pipeline import ptq
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.params import non_negative, positive
 from pipeline.qat.data import collate, load_examples, split_heldout
 from pipeline.teacher import TeacherParams
+
+
+CALIBRATION = "data/calibration/hessians.safetensors"
+"""Where stage calibrate writes the matrices."""
+
+
+class Calibration:
+    """The teacher's ``X^T X`` per Linear weight (stage calibrate), read one matrix at a time; ``get`` gives None
+    for a weight without one (embeddings: GPTQ falls back to the scale search) or when no file is used."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.names = set()
+        if path is not None:
+            with safe_open(path, "pt") as f:
+                self.names = set(f.keys())
+
+    def get(self, name: str):
+        if name not in self.names:
+            return None
+        with safe_open(self.path, "pt") as f:
+            return f.get_tensor(name)
 
 
 @dataclass

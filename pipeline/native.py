@@ -325,9 +325,10 @@ def s3d8_decode_int8(packed: torch.Tensor, table: torch.Tensor, shape, variant: 
 
 
 def s3d8_encode(weight: torch.Tensor, table: torch.Tensor, threads: int | None = None,
-                variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                variant: str | None = None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``weight [d_out, d_in]`` (float32, or bf16/fp16 converted exactly) like
-    ``pipeline.formats.s3d8.encode``: ``(packed uint8 [ceil(d_out/3), pad16(d_in)], scale bf16 [d_out, 1])``.
+    ``pipeline.formats.s3d8.encode``: ``(packed uint8 [ceil(d_out/3), pad16(d_in)], scale bf16 [d_out, 1])``;
+    with ``scale`` (bf16 ``[d_out, 1]``, each > 0: a searched or trained scale) like ``encode_with_scale``.
     NaN or +-Inf weights are a ``ValueError`` (the message names ``weight``; callers add the tensor's name)."""
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         raise ValueError(f"weight: expected a floating-point torch.Tensor, got "
@@ -344,6 +345,17 @@ def s3d8_encode(weight: torch.Tensor, table: torch.Tensor, threads: int | None =
                          f"{float(weight[r, c])} at [{r}, {c}]; S3D8 encodes finite weights only")
     table = _check_table(table)
     packed = torch.empty(-(-d_out // GROUP), _pad(d_in, 16), dtype=torch.uint8)
+    if scale is not None:
+        if not isinstance(scale, torch.Tensor) or scale.numel() != d_out:
+            raise ValueError(f"scale: expected {d_out} channel scales, got "
+                             f"{list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+        scale = _check(scale.detach().reshape(d_out, 1), "scale", torch.bfloat16, (2,)).contiguous()
+        if not bool((scale.float() > 0).all() & torch.isfinite(scale.float()).all()):
+            raise ValueError("scale: every channel scale must be finite and > 0")
+        _ok(lib.s3d8_encode_scaled(_variant_index(variant), _threads(threads), d_out, d_in, _ptr(weight, "float *"),
+                                   d_in, _ptr(table, "int8_t *"), _ptr(scale, "uint16_t *"),
+                                   _ptr(packed, "uint8_t *")), "s3d8_encode_scaled")
+        return packed, scale
     scale = torch.empty(d_out, 1, dtype=torch.bfloat16)
     _ok(lib.s3d8_encode(_variant_index(variant), _threads(threads), d_out, d_in, _ptr(weight, "float *"),
                         d_in, _ptr(table, "int8_t *"), _ptr(packed, "uint8_t *"), _ptr(scale, "uint16_t *")),

@@ -442,6 +442,92 @@ def direct_cast(name: str, weight: torch.Tensor, *, method: str | None = None,
     return fmt.unpack(tensors, tuple(weight.shape))
 
 
+# --- given scales: a start for QAT, and the QAT student's learned scales -----------------------------
+
+def state_of(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The quantiser state (``{"table"}`` for S3D8, ``{"codepoints"}`` for a 6-level format) that packed
+    ``tensors`` were written with."""
+    key = "table" if name == s3d8.NAME else "codepoints"
+    return {key: tensors[key]}
+
+
+def absmax_scale(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 scale the format's own ``quantize`` derives from ``weight`` (S3D8: per row ``[d_out, 1]``;
+    a 6-level format: per block ``[d_out, n_blocks]``)."""
+    from pipeline import formats
+
+    if name == s3d8.NAME:
+        return s3d8.weight_scale(weight)
+    fmt = formats.get(name)
+    return scalar.block_scales(weight, fmt.block, fmt.qmax)
+
+
+def expand_scale(name: str, scale: torch.Tensor, shape) -> torch.Tensor:
+    """``scale`` (as :func:`absmax_scale` lays it out) broadcast to one value per weight, ``[d_out, d_in]``."""
+    from pipeline import formats
+
+    d_out, d_in = shape
+    if name == s3d8.NAME:
+        return scale.reshape(d_out, 1).expand(d_out, d_in)
+    block = formats.get(name).block or d_in
+    return scale.repeat_interleave(block, dim=1)[:, :d_in]
+
+
+def pack_at_scale(name: str, weight: torch.Tensor, state: dict[str, torch.Tensor],
+                  scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The packed tensors of ``weight`` in format ``name`` with the given quantiser ``state`` and bf16
+    ``scale`` (codes: nearest centroid / code point of the weight over its scale, no clamping), as a packer
+    writes them for the QAT student with learned scales."""
+    from pipeline import formats
+
+    fmt = formats.get(name)
+    check_weight(weight)
+    w = weight.detach().float()
+    if name == s3d8.NAME:
+        native = s3d8.native_or_none()
+        scale = s3d8.check_scale(scale, w.shape[0])
+        if native is not None and w.device.type == "cpu":
+            packed, scale = native.s3d8_encode(w.contiguous(), state["table"], scale=scale)
+        else:
+            packed, scale = s3d8.encode_with_scale(w, state["table"], scale)
+        return {"packed": packed.reshape(-1), "scale": scale, "table": s3d8.check_table(state["table"])}
+    d_out, d_in = w.shape
+    cp = state["codepoints"].float()
+    scale = scale.detach().to(torch.bfloat16)
+    codes = scalar_codes(scalar.blocked(w, fmt.block), cp, scale)
+    return {"codes": scalar_pack_codes(codes, d_out, d_in), "scale": scale, "codepoints": cp}
+
+
+def values_at_scale(name: str, weight: torch.Tensor, state: dict[str, torch.Tensor],
+                    scale: torch.Tensor) -> torch.Tensor:
+    """``unpack(pack_at_scale(...)) / scale``: each weight's code value in units of its scale, float32
+    ``[d_out, d_in]`` (S3D8: the signed table entries; a 6-level format: its code points). Times
+    ``expand_scale(scale)`` it is the decoded weight, bit for bit."""
+    w = weight.detach().float()
+    if name == s3d8.NAME:
+        packed = pack_at_scale(name, w, state, scale)["packed"]
+        native = s3d8.native_or_none()
+        if native is not None and w.device.type == "cpu":
+            return native.s3d8_decode_int8(packed, state["table"], tuple(w.shape)).float()
+        return s3d8.decode_int8(packed, state["table"], tuple(w.shape)).float()
+    from pipeline import formats
+
+    d_out, d_in = w.shape
+    cp = state["codepoints"].float().to(w.device)
+    codes = scalar_codes(scalar.blocked(w, formats.get(name).block), cp, scale.detach().to(torch.bfloat16))
+    return cp[codes].reshape(d_out, -1)[:, :d_in]
+
+
+def start(name: str, weight: torch.Tensor, *, method: str | None = None, hessian: torch.Tensor | None = None,
+          seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The post-training point QAT can start from: ``(decoded float32 weight, quantiser state, bf16 scale)``
+    of :func:`pack` by ``method``. The decoded weight quantised at that state and scale is itself."""
+    from pipeline import formats
+
+    tensors = pack(name, weight, method=method, hessian=hessian, seed=seed)
+    return formats.get(name).unpack(tensors, tuple(weight.shape)), state_of(name, tensors), tensors["scale"]
+
+
 # --- calibration ----------------------------------------------------------------------------------
 
 def _run(model, batches) -> None:

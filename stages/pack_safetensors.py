@@ -17,39 +17,21 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+from pathlib import Path
 
 from safetensors import safe_open
 
 from pipeline import formats, params, ptq
+from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import check_states
 from pipeline.hf import write_model_dir
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
 from pipeline.packed import PackParams
+from pipeline.qat.train import QAT_STATE
 from pipeline.stage import console, progress, stage_errors, versions
 from pipeline.teacher import TeacherParams, local_dir
-
-CALIBRATION = "data/calibration/hessians.safetensors"
-
-
-class Calibration:
-    """The teacher's ``X^T X`` per Linear weight (stage calibrate), read one matrix at a time; ``get`` gives None
-    for a weight without one (embeddings: GPTQ falls back to the scale search) or when no file is used."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.names = set()
-        if path is not None:
-            with safe_open(path, "pt") as f:
-                self.names = set(f.keys())
-
-    def get(self, name: str):
-        if name not in self.names:
-            return None
-        with safe_open(self.path, "pt") as f:
-            return f.get_tensor(name)
-
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,14 +48,18 @@ def main(argv: list[str] | None = None) -> None:
         teacher_dir = local_dir(teacher.source)
         calibration = Calibration(CALIBRATION if p.method == "gptq" else None)
         report = {}
+        trained = qat_state(f"models/qat/{fmt.name}", fmt)
         with atomic_dir(f"models/packed/{fmt.name}") as out:
             for method, source in (("direct-cast", teacher_dir), ("qat", f"models/qat/{fmt.name}")):
                 with progress() as bar:
                     task = bar.add_task(f"pack {fmt.name} {method}", total=len(states))
-                    # the direct cast by the chosen post-training method; the QAT student as it was trained (absmax)
-                    encode = (lambda name, w, state: ptq.pack(fmt.name, w, method=p.method,
-                                                              hessian=calibration.get(name))) \
-                        if method == "direct-cast" else None
+                    # the direct cast by the chosen post-training method; the QAT student at the quantiser state
+                    # and scales it was trained with (learned, or absmax)
+                    if method == "direct-cast":
+                        encode = lambda name, w, state: ptq.pack(fmt.name, w, method=p.method,  # noqa: E731
+                                                                 hessian=calibration.get(name))
+                    else:
+                        encode = trained
                     summary = write_model_dir(out / method, CheckpointReader(source), fmt, states, encode=encode,
                                               teacher_dir=teacher_dir, method=method, base_model=teacher.source,
                                               teacher_name=teacher.name, dtype=dtype_of(p.dtype),
@@ -87,6 +73,26 @@ def main(argv: list[str] | None = None) -> None:
                               f"{summary['bits_per_param_nominal']:.3f} bits/param nominal, "
                               f"{summary['bits_per_param_actual']:.3f} actual")
         write_json(f"reports/pack/{fmt.name}.json", report)
+
+
+def qat_state(student_dir: str, fmt):
+    """The encoder of the QAT student: the quantiser state (``P.table`` / ``P.codepoints``) and learned scales
+    (``P.scale``) of its ``qat_state.safetensors``; absmax scales where none were learned."""
+    path = Path(student_dir) / QAT_STATE
+    if not path.exists():
+        raise ValueError(f"{path}: missing (a student trained before learned scales existed? re-run qat-train)")
+    with safe_open(str(path), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+        trained_format = (f.metadata() or {}).get("format")
+    if trained_format != fmt.name:
+        raise ValueError(f"{path}: written for format {trained_format!r}, not {fmt.name!r}")
+
+    def encode(name, weight, state):
+        state = {k: saved.get(f"{name}.{k}", v) for k, v in state.items()}
+        scale = saved.get(f"{name}.scale")
+        return fmt.pack(weight, state) if scale is None else ptq.pack_at_scale(fmt.name, weight, state, scale)
+
+    return encode
 
 
 if __name__ == "__main__":

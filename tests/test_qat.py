@@ -98,3 +98,72 @@ def test_states_round_trip(tmp_path):
     empty = {name: {} for name in states}
     formats.get("bf16").save_states(tmp_path / "bf16.safetensors", empty)
     assert formats.get("bf16").load_states(tmp_path / "bf16.safetensors") == empty
+
+
+# --- learned scales and the post-training start (qat.learn_scales, qat.init: ptq) ------------------------
+
+@pytest.mark.parametrize("fmt", ["s3d8", "int", "student_t", "lloyd_max"])
+def test_learned_scale_forward_is_what_the_packer_writes(fmt):
+    """The fake-quant forward at a trained scale equals unpacking ptq.pack_at_scale at its bf16 rounding, bit for
+    bit; at the absmax scale it equals the format's own quantize; both the weight and the scale get gradients."""
+    from pipeline import ptq
+    from pipeline.qat.modules import learned_scale, log2_scale, quantize_learned
+
+    torch.manual_seed(0)
+    w = (torch.randn(31, 200) * torch.rand(31, 1)).requires_grad_()
+    state = formats.get(fmt).fit(w.detach())
+    absmax = ptq.absmax_scale(fmt, w.detach())
+    assert torch.equal(learned_scale(log2_scale(absmax)), absmax)
+    assert torch.equal(quantize_learned(fmt, w.detach(), state, log2_scale(absmax)),
+                       formats.get(fmt).quantize(w.detach(), state))
+    scale = torch.nn.Parameter(log2_scale(absmax) - 0.37)
+    q = quantize_learned(fmt, w, state, scale)
+    packed = ptq.pack_at_scale(fmt, w, state, learned_scale(scale))
+    assert torch.equal(q, formats.get(fmt).unpack(packed, tuple(w.shape)))
+    q.pow(2).sum().backward()
+    assert scale.grad is not None and scale.grad.abs().sum() > 0 and w.grad.abs().sum() > 0
+
+
+def test_prepare_with_scales_adds_a_parameter_outside_the_checkpoint_layout():
+    from pipeline import ptq
+
+    torch.manual_seed(0)
+    model = Tiny()
+    scales = {n: ptq.absmax_scale("s3d8", m.weight.detach()) for n, m in quantised_modules(model)}
+    prepare(model, formats.get("s3d8"), fitted(model, "s3d8"), scales=scales)
+    extra = set(model.state_dict()) - set(Tiny().state_dict())
+    assert extra == {"proj.qat_log2_scale", "embed.qat_log2_scale"}
+    assert model.proj.qat_log2_scale.shape == (7, 1) and model.proj.qat_log2_scale.requires_grad
+
+
+@pytest.mark.parametrize("fmt", ["s3d8", "student_t"])
+def test_ptq_start_is_the_direct_cast(fmt):
+    """qat.init ptq: the student's first forward weight is exactly the direct cast the packer writes (gptq on a
+    Hessian), with the learned scale starting at that cast's scale."""
+    from pipeline import ptq
+    from pipeline.qat.modules import learned_scale
+    from pipeline.qat.train import QATParams, _quantise
+
+    torch.manual_seed(0)
+    model = Tiny()
+    teacher = {n: m.weight.detach().clone() for n, m in quantised_modules(model)}
+    x = torch.randn(64, 32)
+    hessian = {"proj": x.T @ x / 64}
+    states = {n: formats.get(fmt).fit(w) for n, w in teacher.items()}
+    start = lambda name, w: ptq.start(fmt, w, method="gptq", hessian=hessian.get(name))  # noqa: E731
+    names = {}
+    _quantise(model, formats.get(fmt), states, QATParams(init="ptq", learn_scales=True), start, names)
+    assert names == {"embed": "embed.weight", "proj": "proj.weight"}
+    for name, w in teacher.items():
+        want = ptq.direct_cast(fmt, w, method="gptq", hessian=hessian.get(name))
+        assert torch.equal(model.get_submodule(name).quantized_weight().detach(), want), name
+        tensors = ptq.pack(fmt, w, method="gptq", hessian=hessian.get(name))
+        assert torch.equal(learned_scale(model.get_submodule(name).qat_log2_scale), tensors["scale"])
+
+
+def test_qat_init_is_checked():
+    from pipeline import params
+    from pipeline.qat.train import QATParams
+
+    with pytest.raises(params.ParamsError, match="qat.init"):
+        params.from_dict(QATParams, {"init": "random"}, "qat")

@@ -151,6 +151,40 @@ def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     assert errors["gptq"] < errors["search"], errors
 
 
+def test_qat_from_the_ptq_point_with_learned_scales_and_a_table_refit(chain, tmp_path, teacher):
+    """qat.init ptq + learn_scales + refit_table: the student's masters keep the teacher's layout (no scale
+    tensors), qat_state.safetensors holds a table and a bf16 scale per quantised weight, and the packed QAT model
+    is exactly those: its scales are the trained ones and its weights decode to the fake-quant forward."""
+    import torch
+
+    from pipeline import formats, ptq
+    from pipeline.checkpoint import CheckpointReader
+
+    cwd = workdir(tmp_path, teacher, **{"qat.init": "ptq", "qat.learn_scales": True, "qat.scale_lr": 1e-2,
+                                        "qat.refit_table": True})
+    for part in ("data/teacher", "data/centroids", "data/calibration"):
+        shutil.copytree(chain / part, cwd / part)
+    run_stage(cwd, "qat_train.py", "--format", "s3d8")
+    run_stage(cwd, "pack_safetensors.py", "--format", "s3d8")
+    summary = json.loads((cwd / "reports/qat/s3d8/summary.json").read_text())
+    assert summary["init"] == "ptq" and summary["learn_scales"] and summary["refit_table"]["matrices"] > 0
+    student = CheckpointReader(cwd / "models/qat/s3d8")
+    assert not any("qat_" in k for k in student.keys())
+    with safe_open(str(cwd / "models/qat/s3d8/qat_state.safetensors"), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    weights = sorted(k.removesuffix(".scale") for k in state if k.endswith(".scale"))
+    assert weights and sorted(k.removesuffix(".table") for k in state if k.endswith(".table")) == weights
+    fmt = formats.get("s3d8")
+    packed = safe_open(str(cwd / "models/packed/s3d8/qat/model.safetensors"), "pt")
+    for name in weights:
+        w = student.get(f"{name}.weight").float()
+        tensors = {k: packed.get_tensor(f"{name}.weight.{k}") for k in fmt.suffixes}
+        assert torch.equal(tensors["scale"], state[f"{name}.scale"]) and torch.equal(tensors["table"], state[f"{name}.table"])
+        want = fmt.unpack(ptq.pack_at_scale("s3d8", w, {"table": state[f"{name}.table"]}, state[f"{name}.scale"]),
+                          tuple(w.shape))
+        assert torch.equal(fmt.unpack(tensors, tuple(w.shape)), want), name
+
+
 def test_every_stage_has_help_without_side_effects(tmp_path):
     for script in sorted(STAGES.glob("*.py")):
         if script.name == "__init__.py":

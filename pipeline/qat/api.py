@@ -10,20 +10,23 @@ from pipeline.qat.modules import QuantEmbedding, QuantLinear
 from pipeline.recipe import quantised_modules, replace
 
 
-def prepare(model: nn.Module, fmt: FormatBase, states: dict[str, State], act_quant: bool = True) -> list[str]:
+def prepare(model: nn.Module, fmt: FormatBase, states: dict[str, State], act_quant: bool = True,
+            scales: dict | None = None) -> list[str]:
     """Swap every quantised module of ``model`` (in place) for its fake-quantised version in format ``fmt``.
 
     ``states`` maps a module name to its fitted state; a module without one is an error that names
-    it (the fitted-state file does not match this model).
+    it (the fitted-state file does not match this model). ``scales`` (module name -> initial scale) makes
+    the scales trained parameters (``QuantLinear.qat_scale``).
     """
     swapped = []
     for name, module in list(quantised_modules(model)):
         if name not in states:
             raise ValueError(f"fitted state for format {fmt.name!r} has no entry for module {name!r} "
                              f"(was it fitted on another model?)")
+        scale = None if scales is None else scales[name]
         if isinstance(module, nn.Linear):
-            replace(model, name, QuantLinear(module, fmt, states[name], act_quant))
+            replace(model, name, QuantLinear(module, fmt, states[name], act_quant, scale))
         elif isinstance(module, nn.Embedding):
-            replace(model, name, QuantEmbedding(module, fmt, states[name]))
+            replace(model, name, QuantEmbedding(module, fmt, states[name], scale))
         swapped.append(name)
     return swapped

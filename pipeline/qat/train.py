@@ -24,19 +24,23 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Literal
 
 import torch
 
+from pipeline import ptq
 from pipeline.checkpoint import write_tensors
-from pipeline.formats import FormatBase
+from pipeline.formats import FormatBase, s3d8
 from pipeline.io import atomic_dir
 from pipeline.launch import LaunchParams, resolve_backend
 from pipeline.launch import settings as launch_settings
-from pipeline.models import dtype_of, load_config, load_model, load_processor, meta_model, states_by_module
+from pipeline.models import (dtype_of, load_config, load_model, load_processor, meta_model, quantised_weight_names,
+                             states_by_module)
 from pipeline.params import bounded, non_negative, positive
 from pipeline.qat.api import prepare
 from pipeline.qat.data import Example, batch_indices, collate
 from pipeline.qat.loss import response_kl_sum
+from pipeline.qat.modules import _FakeQuant, learned_scale
 from pipeline.recipe import quantised_modules
 from pipeline.stage import console, progress
 
@@ -54,6 +58,18 @@ class QATParams:
     checkpoint_every: int = positive(25)
     seed: int = 0
     threads: int = non_negative(1)
+    init: Literal["teacher", "ptq"] = "teacher"   # ptq: start from pack.method's direct cast (weights, table, scales)
+    learn_scales: bool = False            # the bf16 scales as trained parameters (LSQ gradient)
+    scale_lr: float = positive(1e-3)      # their learning rate (on log2 of the scale); same cosine schedule
+    refit_table: bool = False             # S3D8: refit each centroid table on the trained weights at the end
+
+
+QAT_STATE = "qat_state.safetensors"
+"""Beside the student's fp32 masters: per quantised weight ``P`` the quantiser state it was trained with
+(``P.table`` or ``P.codepoints``) and, with learned scales, ``P.scale`` (bf16); pack-safetensors packs with them."""
+
+Start = Callable[[str, torch.Tensor], tuple]
+"""``start(P, weight) -> (decoded weight, state, bf16 scale)``: the post-training point (``ptq.start``)."""
 
 
 def recipe_lr(bits_per_param: float) -> float:
@@ -92,10 +108,15 @@ def check(p: QATParams, examples: list[Example], processes: int) -> int:
 
 def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str, examples: list[Example],
           p: QATParams, out_dir: str | Path, checkpoint: str | Path, live_dir: str | Path, fingerprint: str,
-          launch: LaunchParams | None = None) -> dict:
+          launch: LaunchParams | None = None, start: Start | None = None,
+          importance: Callable[[str], torch.Tensor | None] | None = None) -> dict:
     """Train and save the student. ``launch``: the launch settings (default: those ``pipeline.launch`` handed
     over, else the ``launch`` section of ``params.yaml``): ``strategy`` ddp runs under ``accelerate`` (DDP
-    when several processes), fsdp2 shards the student (``pipeline.qat.distributed``)."""
+    when several processes), fsdp2 shards the student (``pipeline.qat.distributed``). ``start`` (needed for
+    ``qat.init: ptq``) gives each weight's post-training point; ``importance(P)`` the per-input-channel
+    weights of the table refit (None: unweighted)."""
+    if p.init == "ptq" and start is None:
+        raise ValueError("parameter qat.init=ptq: no post-training start was given")
     from dvclive import Live
 
     launch = launch if launch is not None else launch_settings()
@@ -108,11 +129,17 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     processor = load_processor(teacher_source)
     teacher = engine.teacher(load_model(teacher_source, dtype_of(teacher_dtype)))
     teacher.requires_grad_(False)
-    student = engine.student(teacher_source, lambda model: prepare(model, fmt, states_by_module(model, states),
-                                                                   act_quant=p.act_quant), launch)
+    names: dict[str, str] = {}
+    student = engine.student(teacher_source, lambda model: _quantise(model, fmt, states, p, start, names), launch)
     bits = average_bits(student, fmt)
     lr = p.lr if p.lr is not None else recipe_lr(bits)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
+    scale_lr = p.scale_lr
+    params_ = dict(student.named_parameters())
+    groups = [{"params": [v for k, v in params_.items() if not k.endswith(".qat_log2_scale")], "lr": lr}]
+    if p.learn_scales:
+        groups.append({"params": [v for k, v in params_.items() if k.endswith(".qat_log2_scale")], "lr": scale_lr})
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
+    base_lrs = [g["lr"] for g in optimizer.param_groups]
     student, optimizer = engine.prepare(student, optimizer)
     main = engine.rank == 0
 
@@ -139,8 +166,8 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
         task = bar.add_task(f"qat {fmt.name}", total=p.steps, completed=start)
         for step in range(start, p.steps):
             step_lr = cosine(lr, step, p.steps)
-            for group in optimizer.param_groups:
-                group["lr"] = step_lr
+            for group, base in zip(optimizer.param_groups, base_lrs):
+                group["lr"] = cosine(base, step, p.steps)
             picked = batch_indices(len(examples), p.batch_size, step, p.seed)
             mine = picked[engine.rank::engine.world]
             batches = [collate([examples[i] for i in mine[a * micro:(a + 1) * micro]], processor, p.max_seq_len)
@@ -173,11 +200,15 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
             engine.barrier()
     seconds = time.perf_counter() - began
     summary = {}
-    engine.save_student(student, processor, out_dir)
+    refit = engine.save_student(student, processor, out_dir,
+                                lambda weights, scales, mods: _quantiser_state(fmt, p, names, weights, scales, mods,
+                                                                               importance))
     if main:
         first = history[0]["kl"] if history else float("nan")
         last = sum(r["kl"] for r in history[-10:]) / max(len(history[-10:]), 1)
-        summary = {"lr": lr, "bits_per_param": bits, "kl_first": first, "kl_last10": last}
+        summary = {"lr": lr, "bits_per_param": bits, "kl_first": first, "kl_last10": last, "init": p.init,
+                   "learn_scales": p.learn_scales, "scale_lr": scale_lr if p.learn_scales else None,
+                   "refit_table": refit}
         console.print(f"qat-train {fmt.name}: {p.steps - start} steps in {seconds:.0f} s on {engine.world} "
                       f"process(es), {launch.strategy}")
         live.end()
@@ -237,9 +268,18 @@ class _Accelerate:
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
 
-    def save_student(self, student, processor, out_dir) -> None:
-        if self.accelerator.is_main_process:
-            _save_student(self.accelerator.unwrap_model(student), processor, out_dir)
+    def save_student(self, student, processor, out_dir, quantiser_state):
+        if not self.accelerator.is_main_process:
+            return None
+        model = self.accelerator.unwrap_model(student)
+        state = model.state_dict()
+        weights, scales, modules = _split(state, model)
+        tensors, refit = quantiser_state(weights, scales, modules)
+        with atomic_dir(out_dir) as tmp:
+            model.save_pretrained(tmp, state_dict={k: v for k, v in state.items() if not k.endswith(".qat_log2_scale")})
+            processor.save_pretrained(tmp)
+            write_tensors(tmp / QAT_STATE, tensors, {"format": next(iter(modules.values())).format.name})
+        return refit
 
     def finish(self, checkpoint: Path) -> None:
         if self.accelerator.is_main_process:
@@ -312,19 +352,94 @@ class _FSDP2:
     def barrier(self) -> None:
         torch.distributed.barrier()
 
-    def save_student(self, student, processor, out_dir) -> None:
+    def save_student(self, student, processor, out_dir, quantiser_state):
         state = self.d.full_state_dict(student)          # collective; rank 0 holds it, on CPU
+        refit = None
         if self.rank == 0:
+            weights, scales, modules = _split(state, student)
+            tensors, refit = quantiser_state(weights, scales, modules)
             with atomic_dir(out_dir) as tmp:
-                self.template.save_pretrained(tmp, state_dict=state)
+                self.template.save_pretrained(tmp, state_dict={k: v for k, v in state.items()
+                                                               if not k.endswith(".qat_log2_scale")})
                 processor.save_pretrained(tmp)
+                write_tensors(tmp / QAT_STATE, tensors, {"format": next(iter(modules.values())).format.name})
         del state
         self.barrier()
+        return refit
 
     def finish(self, checkpoint: Path) -> None:
         if self.rank == 0:
             shutil.rmtree(checkpoint, ignore_errors=True)
         self.barrier()
+
+
+def _quantise(model, fmt: FormatBase, states: dict, p: QATParams, start: Start | None, names: dict) -> None:
+    """Swap the quantised modules of ``model`` for fake-quantised ones (``prepare``): from the teacher's weights
+    with the fitted states, or (``qat.init: ptq``) from the post-training point, whose weights, tables and scales
+    replace them; learned scales start at that point's scales or the absmax ones. A model on ``meta`` (FSDP2's
+    other ranks) only gets the shapes: rank 0's values arrive by broadcast. ``names`` receives
+    ``{module: checkpoint weight name}``."""
+    mapping = quantised_weight_names(model)
+    names.update(mapping)
+    by_module = states_by_module(model, states)
+    meta = next(model.parameters()).device.type == "meta"
+    started = {}
+    if p.init == "ptq" and not meta:
+        with progress() as bar:
+            task = bar.add_task(f"qat {fmt.name}: post-training start", total=len(mapping))
+            for module_name, saved in mapping.items():
+                weight = model.get_submodule(module_name).weight
+                decoded, state, scale = start(saved.removesuffix(".weight"), weight.detach())
+                with torch.no_grad():
+                    weight.copy_(decoded.to(weight.dtype))
+                by_module[module_name], started[module_name] = state, scale
+                bar.advance(task)
+    scales = None
+    if p.learn_scales:
+        scales = {n: started[n] if n in started else ptq.absmax_scale(fmt.name, model.get_submodule(n).weight.detach())
+                  for n in mapping}
+    prepare(model, fmt, by_module, act_quant=p.act_quant, scales=scales)
+
+
+def _split(state: dict, model) -> tuple[dict, dict, dict]:
+    """From a full state dict: ``({module: weight}, {module: learned log2 scale}, {module: fake-quant module})``."""
+
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, _FakeQuant)}
+    weights = {n: state[f"{n}.weight"] for n in modules}
+    scales = {n: state[f"{n}.qat_log2_scale"] for n in modules if f"{n}.qat_log2_scale" in state}
+    return weights, scales, modules
+
+
+def _quantiser_state(fmt: FormatBase, p: QATParams, names: dict, weights: dict, scales: dict, modules: dict,
+                     importance) -> tuple[dict, dict | None]:
+    """The tensors of ``QAT_STATE`` (keyed by checkpoint names) and, with ``qat.refit_table`` (S3D8), a summary of
+    the refit: each table refitted by weighted k-means on the trained weights over their scales, kept where it
+    lowers the (importance-weighted) reconstruction error."""
+    tensors, refit = {}, None
+    if p.refit_table and fmt.name == s3d8.NAME:
+        refit = {"matrices": 0, "improved": 0, "error_before": 0.0, "error_after": 0.0}
+    for module, m in modules.items():
+        key = names[module].removesuffix(".weight")
+        w = weights[module].detach().float().cpu()
+        state = {k: v.detach().cpu() for k, v in m.qstate.items()}
+        scale = learned_scale(scales[module].cpu()) if module in scales else None
+        if refit is not None:
+            h = importance(key) if importance is not None else None
+            h = torch.ones(w.shape[1]) if h is None else h.float()
+            s = scale if scale is not None else s3d8.weight_scale(w)
+            err = lambda t: float((((w - s3d8.quantize_with_scale(w, t, s)) ** 2) * h).double().sum())  # noqa: E731
+            new = ptq.refit_table(w, s, h, state["table"])
+            before, after = err(state["table"]), err(new)
+            refit["matrices"] += 1
+            refit["error_before"] += before
+            if after < before:
+                state, refit["improved"] = {"table": new}, refit["improved"] + 1
+            refit["error_after"] += min(before, after)
+        for k, v in state.items():
+            tensors[f"{key}.{k}"] = v.contiguous()
+        if scale is not None:
+            tensors[f"{key}.scale"] = scale.contiguous()
+    return tensors, refit
 
 
 def _train_mode(student, launch: LaunchParams) -> None:
@@ -393,10 +508,3 @@ def _load_checkpoint(path: Path, model, optimizer, fingerprint: str) -> tuple[in
         start += count
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     return step, history
-
-
-def _save_student(model, processor, out_dir: str | Path) -> None:
-    """The fp32 master weights, as a Hugging Face model directory (the pack stage reads it)."""
-    with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
