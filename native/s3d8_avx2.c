@@ -1,46 +1,104 @@
-/* x86 AVX2 variant (Haswell and later, no AVX-512): the 64-entry lookups are four 16-entry
- * `vpshufb` lookups blended on index bits 4 and 5; the dot products use `vpmaddubsw` on |w| and
- * sign(x, w) and `vpmaddwd` to int32. |w| as an unsigned byte is exact for every int8 weight
- * (-128 -> 128) and x is in [-127, 127], so sign(x, w) never overflows and the int16 pair sums stay
- * within 2 * 128 * 127 < 2^15. (The other way round, sign(w, x) overflows for w = -128.) */
+/* x86 AVX2 variant (Haswell and later, no AVX-512).
+ *
+ * S3D8 decode. The three weights of a byte share one magnitude index q = (b >> 1) & 31, so the
+ * kernels look up only magnitudes: per lane j a 32-entry table of T[q][j] (values in [0, 127]) as
+ * two 16-entry `vpshufb` lookups (q & 15) blended on q bit 4, one blend mask for the three lanes.
+ * The sign s_j goes onto the other operand with `vpsignb`, through a byte whose bit 7 is s_j and
+ * which is never zero (vpsignb by 0 gives 0); see decode32:
+ *   s0 = bit 0            -> (b & 1) + 0x7F      (0x7F or 0x80)
+ *   s1 = bit 6            -> (b + b) | 1
+ *   s2 = bit 0 ^ bit 7    -> s0 ^ b              (bit 0 is always 1)
+ *
+ * Products: vpmaddubsw(mag, sign(x, s_j)) multiplies the unsigned magnitude by the signed
+ * activation: x in [-127, 127] so sign(x, s) never overflows, and the int16 pair sums stay within
+ * 2 * 127 * 127 = 32258 < 2^15 (no saturation); a zero magnitude gives 0 whatever the sign, like
+ * the reference's +0 weight. vpmaddwd by 1 widens the pairs to int32, exact.
+ *
+ * INT8 weights: vpmaddubsw on |w| and sign(x, w). |w| as an unsigned byte is exact for every int8
+ * weight (-128 -> 128) and x is in [-127, 127], so sign(x, w) never overflows and the int16 pair
+ * sums stay within 2 * 128 * 127 < 2^15. (The other way round, sign(w, x) overflows for w = -128.)
+ *
+ * m = 1 would be bound by memory bandwidth only at 1/3 byte per weight, so every instruction per
+ * packed byte counts: per 32 packed bytes (96 weights) this is 4 shared index ops, 9 lookup ops,
+ * 4 sign ops, then 4 ops per lane and token (sign, maddubs, maddwd, add). */
 #include <immintrin.h>
 #include <string.h>
 
 #include "s3d8.h"
 #include "s3d8_internal.h"
 
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
+#endif
+#ifndef S3D8_TOKENS /* tokens per pass over a packed row in the fused product (1..4) */
+#define S3D8_TOKENS 4 /* measured here (Zen 3): 4 beat 2 and 3 for m = 4 and 8 */
+#endif
 
-typedef struct { __m256i q[4]; } lut64; /* 64 entries as four 16-byte quarters, in both lanes */
+/* The magnitudes T[q][j] of the three lanes: lo[j] holds q = 0..15, hi[j] q = 16..31, each
+ * 16-entry table in both 128-bit halves (vpshufb looks up within each half). */
+typedef struct { __m256i lo[3], hi[3]; } magtab;
 
-static inline lut64 load_lut(const int8_t *lut) {
-    lut64 t;
-    for (int i = 0; i < 4; i++)
-        t.q[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(lut + 16 * i)));
+/* The drivers build luts with s3d8_luts_from_table from a table they have checked to be >= 0, so
+ * the positive-sign entries are the magnitudes: L0[2q] = T[q][0], L1[q] = T[q][1],
+ * L2[2q] = T[q][2]. */
+static inline magtab load_mags(const int8_t luts[192]) {
+    int8_t mag[3][32];
+    for (int q = 0; q < 32; q++) {
+        mag[0][q] = luts[2 * q];
+        mag[1][q] = luts[64 + q];
+        mag[2][q] = luts[128 + 2 * q];
+    }
+    magtab t;
+    for (int j = 0; j < 3; j++) {
+        t.lo[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mag[j]));
+        t.hi[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(mag[j] + 16)));
+    }
     return t;
 }
 
-/* idx holds 6-bit indices (bits 6 and 7 clear). */
-static inline __m256i lookup64(const lut64 *t, __m256i idx) {
-    __m256i sel4 = _mm256_slli_epi16(idx, 3), sel5 = _mm256_slli_epi16(idx, 2);
-    __m256i a = _mm256_blendv_epi8(_mm256_shuffle_epi8(t->q[0], idx), _mm256_shuffle_epi8(t->q[1], idx), sel4);
-    __m256i b = _mm256_blendv_epi8(_mm256_shuffle_epi8(t->q[2], idx), _mm256_shuffle_epi8(t->q[3], idx), sel4);
-    return _mm256_blendv_epi8(a, b, sel5);
+/* vpblendvb: bytes of b where bit 7 of sel is set, else bytes of a. Written as asm because GCC 12
+ * folds the intrinsic into a generic select and then adds a vpcmpgtb to rebuild a mask it already
+ * had (one more vector op per call, measurable here). "x" means ymm0-15 in this -mavx2 file. */
+static inline __m256i blendv8(__m256i a, __m256i b, __m256i sel) {
+#if defined(__GNUC__) && !defined(__clang__) && !defined(S3D8_NO_ASM)
+    __m256i r;
+    __asm__("vpblendvb %3, %2, %1, %0" : "=x"(r) : "x"(a), "x"(b), "x"(sel));
+    return r;
+#else
+    return _mm256_blendv_epi8(a, b, sel);
+#endif
 }
 
-static inline void decode32(__m256i b, const lut64 t[3], __m256i w[3]) {
-    const __m256i m6 = _mm256_set1_epi8(0x3F), one = _mm256_set1_epi8(1);
-    __m256i i0 = _mm256_and_si256(b, m6);
-    __m256i i1 = _mm256_and_si256(_mm256_srli_epi16(b, 1), m6);
-    __m256i i2 = _mm256_xor_si256(i0, _mm256_and_si256(_mm256_srli_epi16(b, 7), one));
-    w[0] = lookup64(&t[0], i0);
-    w[1] = lookup64(&t[1], i1);
-    w[2] = lookup64(&t[2], i2);
+/* 32 packed bytes -> the three lanes' magnitudes (unsigned, [0, 127]) and sign bytes (bit 7 the
+ * weight's sign, never zero). The vector shift and shuffle units are the busy ones (6 vpshufb per
+ * 32 bytes), so the bit moves use byte adds where they can (b + b moves every bit up by one within
+ * its byte, bit 7 dropped). */
+static inline __attribute__((always_inline)) void decode32(__m256i b, const magtab *t,
+                                                           __m256i mag[3], __m256i sgn[3]) {
+    const __m256i one = _mm256_set1_epi8(1);
+    /* q & 15 (the mask clears the bit that the 16-bit shift brings in from the byte above) */
+    __m256i idx = _mm256_and_si256(_mm256_srli_epi16(b, 1), _mm256_set1_epi8(0x0F));
+    __m256i b2 = _mm256_add_epi8(b, b);    /* bit 7 = b bit 6 = s1 */
+    __m256i sel = _mm256_add_epi8(b2, b2); /* bit 7 = b bit 5 = q bit 4: the upper half */
+    for (int j = 0; j < 3; j++)
+        mag[j] = blendv8(_mm256_shuffle_epi8(t->lo[j], idx), _mm256_shuffle_epi8(t->hi[j], idx), sel);
+    /* s0 = (b & 1) + 0x7F: 0x7F (+) or 0x80 (-).
+     * s2 = s0 ^ b: bit 7 = s0 ^ b7 = b0 ^ b7; bit 0 = !b0 ^ b0 = 1, so never zero.
+     * s1 = b2 | 1: bit 7 = b6, bit 0 set. */
+    sgn[0] = _mm256_add_epi8(_mm256_and_si256(b, one), _mm256_set1_epi8(0x7F));
+    sgn[1] = _mm256_or_si256(b2, one);
+    sgn[2] = _mm256_xor_si256(sgn[0], b);
 }
 
-/* acc += dot(x, w) in 8 int32 lanes, exact for x in [-127, 127] and any int8 w. */
+/* acc += dot(x, w) in 8 int32 lanes for an INT8 weight, exact for x in [-127, 127] and any int8 w. */
 static inline __m256i dot32(__m256i acc, __m256i x, __m256i w) {
     __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+/* acc += dot(x, sign * mag) for an S3D8 lane: mag in [0, 127], x in [-127, 127] (see the top). */
+static inline __m256i dot32_mag(__m256i acc, __m256i x, __m256i mag, __m256i sgn) {
+    __m256i p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, sgn));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
@@ -104,36 +162,72 @@ static void quant_avx2(size_t m, size_t k, const float *x, size_t x_stride, int8
     }
 }
 
-static void load_luts(const int8_t luts[192], lut64 t[3]) {
-    for (int j = 0; j < 3; j++) t[j] = load_lut(luts + 64 * j);
-}
-
 static void decode_avx2(size_t n, size_t k, const uint8_t *packed, const int8_t luts[192],
                         int8_t *w, size_t w_stride) {
-    lut64 t[3];
-    load_luts(luts, t);
+    magtab t = load_mags(luts);
     size_t k16 = S3D8_PAD16(k);
     for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
-        for (size_t c = 0; c < k16; c += 32) {
+        int8_t *dst = w + 3 * g * w_stride;
+        __m256i mag[3], sgn[3];
+        size_t c = 0;
+        /* w = sign(mag, s): +-mag, and 0 for a zero magnitude (s is never 0) */
+        for (; c + 32 <= k; c += 32) {
+            decode32(_mm256_loadu_si256((const __m256i *)(row + c)), &t, mag, sgn);
+            for (size_t j = 0; j < rows; j++)
+                _mm256_storeu_si256((__m256i *)(dst + j * w_stride + c), _mm256_sign_epi8(mag[j], sgn[j]));
+        }
+        if (c < k) { /* the last k - c < 32 columns, from the k16 - c packed bytes left */
             uint8_t buf[32] = {0};
-            size_t len = k16 - c < 32 ? k16 - c : 32, out = k - c < 32 ? k - c : 32;
-            memcpy(buf, row + c, len);
-            __m256i v[3];
-            decode32(_mm256_loadu_si256((const __m256i *)buf), t, v);
-            for (size_t j = 0; j < rows && c < k; j++) {
-                int8_t *dst = w + (3 * g + j) * w_stride + c;
-                if (out == 32) {
-                    _mm256_storeu_si256((__m256i *)dst, v[j]);
-                } else {
-                    int8_t tmp[32];
-                    _mm256_storeu_si256((__m256i *)tmp, v[j]);
-                    memcpy(dst, tmp, out);
-                }
+            memcpy(buf, row + c, k16 - c < 32 ? k16 - c : 32);
+            decode32(_mm256_loadu_si256((const __m256i *)buf), &t, mag, sgn);
+            for (size_t j = 0; j < rows; j++) {
+                int8_t tmp[32];
+                _mm256_storeu_si256((__m256i *)tmp, _mm256_sign_epi8(mag[j], sgn[j]));
+                memcpy(dst + j * w_stride + c, tmp, k - c);
             }
         }
     }
+}
+
+/* One packed row (3 output channels) times T tokens, T a compile-time constant at each call:
+ * the accumulators stay in registers only when every index into them is a constant. */
+static inline __attribute__((always_inline)) void s3d8_group_tokens(
+    int T, size_t k16, const uint8_t *row, const int8_t *xq, size_t xq_stride, const float *x_scale,
+    const magtab *t, const uint16_t *w_scale, size_t rows, float *y, size_t y_stride) {
+    __m256i acc[S3D8_TOKENS][3], mag[3], sgn[3];
+    for (int a = 0; a < T; a++)
+        for (int j = 0; j < 3; j++) acc[a][j] = _mm256_setzero_si256();
+    size_t c = 0;
+    for (; c + 64 <= k16; c += 64) { /* two 32-byte chunks per prefetched cache line */
+        _mm_prefetch((const char *)row + c + PREFETCH_BYTES, _MM_HINT_T0);
+        for (size_t h = 0; h < 64; h += 32) {
+            decode32(_mm256_loadu_si256((const __m256i *)(row + c + h)), t, mag, sgn);
+            for (int a = 0; a < T; a++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + a * xq_stride + c + h));
+                for (int j = 0; j < 3; j++) acc[a][j] = dot32_mag(acc[a][j], xv, mag[j], sgn[j]);
+            }
+        }
+    }
+    for (; c < k16; c += 32) { /* 16, 32 or 48 bytes left; x is zero beyond k16 (in its stride) */
+        __m256i b;
+        if (k16 - c >= 32) {
+            b = _mm256_loadu_si256((const __m256i *)(row + c));
+        } else { /* 16-byte tail: the magnitudes of the zero bytes meet zero activations */
+            b = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + c)));
+            b = _mm256_inserti128_si256(b, _mm_setzero_si128(), 1);
+        }
+        decode32(b, t, mag, sgn);
+        for (int a = 0; a < T; a++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + a * xq_stride + c));
+            for (int j = 0; j < 3; j++) acc[a][j] = dot32_mag(acc[a][j], xv, mag[j], sgn[j]);
+        }
+    }
+    for (int a = 0; a < T; a++)
+        for (int j = 0; j < 3; j++)
+            if ((size_t)j < rows)
+                y[a * y_stride + j] = epilogue(hsum(acc[a][j]), x_scale[a], w_scale[j]);
 }
 
 static void matmul_s3d8_avx2(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
@@ -141,39 +235,32 @@ static void matmul_s3d8_avx2(size_t m, size_t n, size_t k, const int8_t *xq, siz
                              const int8_t luts[192], const uint16_t *w_scale, float *y,
                              size_t y_stride) {
     (void)x_sum;
-    lut64 t[3];
-    load_luts(luts, t);
+    magtab t = load_mags(luts);
     size_t k16 = S3D8_PAD16(k);
+    /* start the stream: the loop's prefetch runs PREFETCH_BYTES ahead of the first loads */
+    for (size_t b = 0; b < PREFETCH_BYTES && b < S3D8_GROUPS(n) * k16; b += 64)
+        _mm_prefetch((const char *)packed + b, _MM_HINT_T0);
     for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
-        for (size_t i = 0; i < m; i += 2) {
-            size_t T = m - i < 2 ? 1 : 2;
-            const int8_t *x0 = xq + i * xq_stride, *x1 = xq + (i + T - 1) * xq_stride;
-            __m256i acc[2][3];
-            for (int a = 0; a < 2; a++)
-                for (int j = 0; j < 3; j++) acc[a][j] = _mm256_setzero_si256();
-            for (size_t c = 0; c < k16; c += 32) {
-                _mm_prefetch((const char *)row + c + PREFETCH_BYTES, _MM_HINT_T0);
-                __m256i b;
-                if (k16 - c >= 32) {
-                    b = _mm256_loadu_si256((const __m256i *)(row + c));
-                } else { /* 16-byte tail: the x beyond it is zero */
-                    b = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + c)));
-                    b = _mm256_inserti128_si256(b, _mm_setzero_si128(), 1);
-                }
-                __m256i w[3];
-                decode32(b, t, w);
-                __m256i xv0 = _mm256_loadu_si256((const __m256i *)(x0 + c));
-                __m256i xv1 = _mm256_loadu_si256((const __m256i *)(x1 + c));
-                for (int j = 0; j < 3; j++) {
-                    acc[0][j] = dot32(acc[0][j], xv0, w[j]);
-                    acc[1][j] = dot32(acc[1][j], xv1, w[j]);
-                }
+        for (size_t i = 0; i < m; i += S3D8_TOKENS) {
+#define S3D8_CALL(T) s3d8_group_tokens(T, k16, row, xq + i * xq_stride, xq_stride, x_scale + i,  \
+                                       &t, w_scale + 3 * g, rows, y + i * y_stride + 3 * g,      \
+                                       y_stride)
+            switch (m - i < S3D8_TOKENS ? m - i : S3D8_TOKENS) {
+            case 1: S3D8_CALL(1); break;
+#if S3D8_TOKENS >= 2
+            case 2: S3D8_CALL(2); break;
+#endif
+#if S3D8_TOKENS >= 3
+            case 3: S3D8_CALL(3); break;
+#endif
+#if S3D8_TOKENS >= 4
+            case 4: S3D8_CALL(4); break;
+#endif
+            default: break;
             }
-            for (size_t a = 0; a < T; a++)
-                for (size_t j = 0; j < rows; j++)
-                    y[(i + a) * y_stride + 3 * g + j] = epilogue(hsum(acc[a][j]), x_scale[i + a], w_scale[3 * g + j]);
+#undef S3D8_CALL
         }
     }
 }
