@@ -43,6 +43,7 @@ DEFAULT_METHOD = "gptq"       # the toy world's measurement favours it (README "
 """What ``method=None`` means: the scale search (benchmarks/real_weights.py, reports/real_weights.md)."""
 
 ALPHAS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6)   # clipping grid (least squares refines in between)
+KAPPAS = (6.0, 5.0, 4.0, 3.5, 3.0)   # clipping at kappa x the row's RMS (S3D8: see s3d8_search_scales)
 ROUNDS = 3                    # S3D8: (scale search, table refit) alternations
 LS_STEPS = 2                  # least-squares scale refinements after each grid search
 TINY = s3d8.SMALLEST_SCALE    # the scale of an all-zero row or block (smallest normal bf16)
@@ -135,6 +136,10 @@ def s3d8_search_scales(w: torch.Tensor, table: torch.Tensor, h: torch.Tensor,
     absmax = w.abs().amax(1, keepdim=True)
     best_scale, best = None, None
     candidates = [_bf16_scale(a * absmax / INT8_MAX) for a in ALPHAS]
+    # a clip at kappa weighted-RMS of the row: one kappa per group clips an outlier row hard and leaves its
+    # Gaussian neighbours (absmax ~ 3-4 RMS) alone, which no common fraction of absmax can do
+    rms = ((w * w * h).sum(1, keepdim=True) / h.sum().clamp(min=1e-30)).sqrt()
+    candidates += [_bf16_scale(torch.minimum(absmax, k * rms) / INT8_MAX) for k in KAPPAS]
     if start is not None:
         candidates.append(start)
     for step in range(1 + LS_STEPS):
@@ -252,9 +257,12 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, quant_col, *, block: int =
     return q
 
 
-def s3d8_gptq(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None):
+def s3d8_gptq(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None,
+              compensated: torch.Tensor | None = None):
     """The ``gptq`` method for S3D8: ``(packed, scale bf16 [d_out, 1], table)``. ``start``: the
-    ``(table, scale)`` of ``s3d8_search(weight, diag(hessian), seed=seed)`` when already at hand."""
+    ``(table, scale)`` of ``s3d8_search(weight, diag(hessian), seed=seed)`` when already at hand.
+    ``compensated`` (float32 ``[d_out, d_in]``) receives the error-compensated weights GPTQ quantised, rescaled
+    with the refitted row scales (so their nearest codes are the result's, up to rounding)."""
     w = weight.detach().float()
     d_out, d_in = w.shape
     table, scale = s3d8_search(w, hessian.diagonal(), seed=seed) if start is None else start
@@ -274,6 +282,8 @@ def s3d8_gptq(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, sta
         q = s3d8._nearest_columns(v.abs().T.contiguous(), table)
         neg = v < 0
         codes[:, k], signs[:, k] = q, neg
+        if compensated is not None:
+            compensated[:, k] = col
         mag = t[q]
         return (torch.where(neg & (mag != 0), -mag, mag).reshape(-1) * sf)[:d_out]
 
@@ -287,6 +297,8 @@ def s3d8_gptq(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, sta
     new = _bf16_scale(torch.where(den > 0, num / den.clamp(min=1e-300), cur)).double().reshape(-1)
     err = lambda s: s * s * den - 2 * s * num       # noqa: E731 (the constant w H w^T left out)
     scale = torch.where((err(new) < err(cur))[:, None], new.to(torch.bfloat16)[:, None], scale)
+    if compensated is not None:
+        compensated.mul_(scale.float() / cur.float()[:, None])
     return packed, scale, table
 
 
@@ -364,9 +376,11 @@ def scalar_search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = N
     return best_total[1], best_total[2]
 
 
-def scalar_gptq(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None):
+def scalar_gptq(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None,
+                compensated: torch.Tensor | None = None):
     """The ``gptq`` method for a 6-level format: ``(codes uint8, scale, codepoints)``. ``start``: the
-    ``(codepoints, scale)`` of ``scalar_search(fmt, weight, diag(hessian), seed=seed)`` when at hand."""
+    ``(codepoints, scale)`` of ``scalar_search(fmt, weight, diag(hessian), seed=seed)`` when at hand.
+    ``compensated`` receives the error-compensated weights GPTQ quantised."""
     w = weight.detach().float()
     d_out, d_in = w.shape
     codepoints, scale = scalar_search(fmt, w, hessian.diagonal(), seed=seed) if start is None else start
@@ -378,6 +392,8 @@ def scalar_gptq(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int =
         s = sf[:, k // block]
         c = scalar.nearest_code(col / s, codepoints)
         codes[:, k] = c
+        if compensated is not None:
+            compensated[:, k] = col
         return codepoints[c] * s
 
     gptq(w, hessian, quant_col)
@@ -387,10 +403,12 @@ def scalar_gptq(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int =
 # --- the contract -----------------------------------------------------------------------------------
 
 def pack(name: str, weight: torch.Tensor, *, method: str | None = None, importance: torch.Tensor | None = None,
-         hessian: torch.Tensor | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+         hessian: torch.Tensor | None = None, seed: int = 0,
+         compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The packed tensors (``{suffix: tensor}``, as ``formats.get(name).pack`` lays them out) of ``weight``
     cast to format ``name`` by ``method`` (None: ``DEFAULT_METHOD``; ``absmax``, the only one, for the formats
-    outside the comparison: int8, bf16). What a packer writes."""
+    outside the comparison: int8, bf16). What a packer writes. ``compensated`` (float32 ``[d_out, d_in]``, for
+    :func:`start`) receives GPTQ's error-compensated weights when the method runs GPTQ, else stays untouched."""
     from pipeline import formats
 
     fmt = formats.get(name)
@@ -412,13 +430,13 @@ def pack(name: str, weight: torch.Tensor, *, method: str | None = None, importan
     w = weight.detach().float()
     if fmt.name == s3d8.NAME:
         if method == "gptq":
-            packed, scale, table = s3d8_gptq(w, hessian, seed=seed)
+            packed, scale, table = s3d8_gptq(w, hessian, seed=seed, compensated=compensated)
         else:
             table, scale = s3d8_search(w, importance, seed=seed)
             packed, scale = s3d8.encode_with_scale(w, table, scale)
         return {"packed": packed.reshape(-1), "scale": scale, "table": table}
     if method == "gptq":
-        codes, scale, codepoints = scalar_gptq(fmt, w, hessian, seed=seed)
+        codes, scale, codepoints = scalar_gptq(fmt, w, hessian, seed=seed, compensated=compensated)
     else:
         codepoints, scale = scalar_search(fmt, w, importance, seed=seed)
         codes = scalar_pack_codes(scalar_codes(scalar.blocked(w, fmt.block), codepoints, scale), d_out, d_in)
@@ -520,12 +538,28 @@ def values_at_scale(name: str, weight: torch.Tensor, state: dict[str, torch.Tens
 
 def start(name: str, weight: torch.Tensor, *, method: str | None = None, hessian: torch.Tensor | None = None,
           seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """The post-training point QAT can start from: ``(decoded float32 weight, quantiser state, bf16 scale)``
-    of :func:`pack` by ``method``. The decoded weight quantised at that state and scale is itself."""
+    """The post-training point QAT can start from: ``(master weight, quantiser state, bf16 scale)`` such that
+    quantising the master at that state and scale gives :func:`pack`'s cast by ``method`` bit for bit.
+
+    The master is the continuous weight the method rounded (the teacher's weight for a scale search; GPTQ's
+    error-compensated weight), not the decoded one: a decoded weight sits at the centre of its quantisation cell,
+    where the small steps of QAT never move it to another code. Where rounding makes a master's code differ from
+    the cast's (an S3D8 byte: all three of its weights), it starts at its decoded value."""
     from pipeline import formats
 
-    tensors = pack(name, weight, method=method, hessian=hessian, seed=seed)
-    return formats.get(name).unpack(tensors, tuple(weight.shape)), state_of(name, tensors), tensors["scale"]
+    fmt = formats.get(name)
+    w = weight.detach().float()
+    compensated = torch.full_like(w, float("nan"))
+    tensors = pack(name, w, method=method, hessian=hessian, seed=seed, compensated=compensated)
+    state, scale = state_of(name, tensors), tensors["scale"]
+    decoded = fmt.unpack(tensors, tuple(w.shape))
+    master = w if bool(compensated.isnan().all()) else compensated
+    same = values_at_scale(name, master, state, scale) * expand_scale(name, scale.float(), w.shape) == decoded
+    if name == s3d8.NAME:          # a byte's three weights share their code: all of them or none
+        rows = ceil_div(w.shape[0], s3d8.GROUP) * s3d8.GROUP
+        groups = torch.nn.functional.pad(same, (0, 0, 0, rows - w.shape[0]), value=True)
+        same = groups.view(-1, s3d8.GROUP, w.shape[1]).all(1).repeat_interleave(s3d8.GROUP, 0)[:w.shape[0]]
+    return torch.where(same, master, decoded), state, scale
 
 
 # --- calibration ----------------------------------------------------------------------------------
