@@ -157,6 +157,8 @@ def test_ptq_start_is_the_direct_cast(fmt):
     for name, w in teacher.items():
         want = ptq.direct_cast(fmt, w, method="gptq", hessian=hessian.get(name))
         assert torch.equal(model.get_submodule(name).quantized_weight().detach(), want), name
+        # the master is the weight the method rounded, not the decoded one (a cell centre QAT cannot leave)
+        assert float((model.get_submodule(name).weight.detach() != want).float().mean()) > 0.9, name
         tensors = ptq.pack(fmt, w, method="gptq", hessian=hessian.get(name))
         assert torch.equal(learned_scale(model.get_submodule(name).qat_log2_scale), tensors["scale"])
 
