@@ -33,6 +33,18 @@
 #ifndef S3D8_TOKENS /* tokens per pass over a packed row in the fused product (1..4) */
 #define S3D8_TOKENS 4 /* measured here (Zen 3): 4 beat 2 and 3 for m = 4 and 8 */
 #endif
+/* INT8 product for m > 4: blocks of weight rows x tokens (1..4 each). Measured here (Zen 3, 1 thread,
+ * noisy): 3 x 3, 2 x 4 and 3 x 4 alike in cache (about 2x one row x one token), 3 x 3 ahead with
+ * weights and activations from memory (128 tokens, k = 4096 and 14336); 4 x 2 behind. */
+#ifndef QSI8_BLOCK_ROWS
+#define QSI8_BLOCK_ROWS 3
+#endif
+#ifndef QSI8_BLOCK_TOKENS
+#define QSI8_BLOCK_TOKENS 3
+#endif
+#ifndef QSI8_SIGN_ASM /* vpsignb with the weight as a memory operand (GCC; see dot32_abs) */
+#define QSI8_SIGN_ASM 1
+#endif
 
 /* The magnitudes T[q][j] of the three lanes: lo[j] holds q = 0..15, hi[j] q = 16..31, each
  * 16-entry table in both 128-bit halves (vpshufb looks up within each half). */
@@ -90,9 +102,18 @@ static inline __attribute__((always_inline)) void decode32(__m256i b, const magt
     sgn[2] = _mm256_xor_si256(sgn[0], b);
 }
 
-/* acc += dot(x, w) in 8 int32 lanes for an INT8 weight, exact for x in [-127, 127] and any int8 w. */
-static inline __m256i dot32(__m256i acc, __m256i x, __m256i w) {
-    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+/* acc += dot(x, w) in 8 int32 lanes for the 32 INT8 weights at w, exact for x in [-127, 127] and
+ * any int8 w, given wabs = |w| (computed once by the caller and reused over tokens). The weights
+ * only give the signs here, read from memory (L1) by vpsignb: GCC would otherwise keep both w and
+ * |w| in registers, and a 3 x 3 block then spills; written as asm for that reason. */
+static inline __m256i dot32_abs(__m256i acc, __m256i x, __m256i wabs, const int8_t *w) {
+#if QSI8_SIGN_ASM && defined(__GNUC__) && !defined(__clang__) && !defined(S3D8_NO_ASM)
+    __m256i s;
+    __asm__("vpsignb %2, %1, %0" : "=x"(s) : "x"(x), "m"(*(const __m256i_u *)w));
+#else
+    __m256i s = _mm256_sign_epi8(x, _mm256_loadu_si256((const __m256i *)w));
+#endif
+    __m256i p = _mm256_maddubs_epi16(wabs, s);
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
@@ -265,34 +286,108 @@ static void matmul_s3d8_avx2(size_t m, size_t n, size_t k, const int8_t *xq, siz
     }
 }
 
+/* R weight rows times T tokens, both compile-time constants at each call. |w| is computed once per
+ * weight vector and each activation vector is loaded once for the R rows; sign(x, w) depends on
+ * both, so it stays per pair: per 32 inputs, R loads + R abs + T loads, then 4 ops per row and
+ * token (sign, maddubs, maddwd, add). The accumulators are named variables, not an array: GCC
+ * keeps an array in memory and then stores it on every iteration of the k loop. */
+#define QSI8_ACC(t, r) acc##t##r
+#define QSI8_DOT(t, r, xv, wp)                                                                     \
+    if (T > t && R > r) QSI8_ACC(t, r) = dot32_abs(QSI8_ACC(t, r), xv, wa##r, wp)
+#define QSI8_TOKEN(t, xp, WP)                                                                      \
+    if (T > t) {                                                                                   \
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xp));                                   \
+        QSI8_DOT(t, 0, xv, WP(0)); QSI8_DOT(t, 1, xv, WP(1));                                      \
+        QSI8_DOT(t, 2, xv, WP(2)); QSI8_DOT(t, 3, xv, WP(3));                                      \
+    }
+/* one 32-column step at column c, row r's 32 weight bytes at WP(r) */
+#define QSI8_STEP(WP)                                                                              \
+    do {                                                                                           \
+        if (R > 0) wa0 = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)WP(0)));             \
+        if (R > 1) wa1 = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)WP(1)));             \
+        if (R > 2) wa2 = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)WP(2)));             \
+        if (R > 3) wa3 = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)WP(3)));             \
+        QSI8_TOKEN(0, xq + c, WP);                                                                 \
+        QSI8_TOKEN(1, xq + xq_stride + c, WP);                                                     \
+        QSI8_TOKEN(2, xq + 2 * xq_stride + c, WP);                                                 \
+        QSI8_TOKEN(3, xq + 3 * xq_stride + c, WP);                                                 \
+    } while (0)
+static inline __attribute__((always_inline)) void qsi8_block(
+    int R, int T, size_t k, const int8_t *w, size_t w_stride, const int8_t *xq, size_t xq_stride,
+    const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride) {
+    const __m256i z = _mm256_setzero_si256();
+    __m256i acc00 = z, acc01 = z, acc02 = z, acc03 = z, acc10 = z, acc11 = z, acc12 = z, acc13 = z,
+            acc20 = z, acc21 = z, acc22 = z, acc23 = z, acc30 = z, acc31 = z, acc32 = z, acc33 = z;
+    __m256i wa0 = z, wa1 = z, wa2 = z, wa3 = z;
+    size_t k32 = k / 32 * 32, c = 0;
+#define QSI8_W(r) (w + (r) * w_stride + c)
+    for (; c < k32; c += 32) {
+        for (int r = 0; r < R; r++)
+            _mm_prefetch((const char *)QSI8_W(r) + PREFETCH_BYTES, _MM_HINT_T0);
+        QSI8_STEP(QSI8_W);
+    }
+#undef QSI8_W
+    if (c < k) { /* the last k - c < 32 columns: each row's tail copied to a zeroed buffer (a row
+                  * may end at k, the end of the allocation); x is zero from k to its stride */
+        int8_t buf[4][32];
+        for (int r = 0; r < R; r++) {
+            memset(buf[r], 0, 32);
+            memcpy(buf[r], w + r * w_stride + c, k - c);
+        }
+#define QSI8_W(r) (buf[r])
+        QSI8_STEP(QSI8_W);
+#undef QSI8_W
+    }
+    __m256i acc[4][4] = {{acc00, acc01, acc02, acc03}, {acc10, acc11, acc12, acc13},
+                         {acc20, acc21, acc22, acc23}, {acc30, acc31, acc32, acc33}};
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++)
+            y[t * y_stride + r] = epilogue(hsum(acc[t][r]), x_scale[t], w_scale[r]);
+}
+#undef QSI8_STEP
+#undef QSI8_TOKEN
+#undef QSI8_DOT
+#undef QSI8_ACC
+
 static void matmul_qsi8_avx2(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
                              const float *x_scale, const int32_t *x_sum, const int8_t *w,
                              size_t w_stride, const uint16_t *w_scale, float *y, size_t y_stride) {
     (void)x_sum;
-    size_t k32 = k / 32 * 32;
-    for (size_t c = 0; c < n; c++) {
-        const int8_t *wr = w + c * w_stride;
-        __m256i tail = _mm256_setzero_si256();
-        if (k32 < k) {
-            int8_t buf[32] = {0};
-            memcpy(buf, wr + k32, k - k32);
-            tail = _mm256_loadu_si256((const __m256i *)buf);
-        }
-        for (size_t i = 0; i < m; i++) {
-            const int8_t *xr = xq + i * xq_stride;
-            __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
-            size_t j = 0;
-            for (; j + 64 <= k32; j += 64) {
-                _mm_prefetch((const char *)(wr + j) + PREFETCH_BYTES, _MM_HINT_T0);
-                acc0 = dot32(acc0, _mm256_loadu_si256((const __m256i *)(xr + j)), _mm256_loadu_si256((const __m256i *)(wr + j)));
-                acc1 = dot32(acc1, _mm256_loadu_si256((const __m256i *)(xr + j + 32)), _mm256_loadu_si256((const __m256i *)(wr + j + 32)));
+#define QSI8_CALL(R, T)                                                                            \
+    qsi8_block(R, T, k, w + c * w_stride, w_stride, xq + i * xq_stride, xq_stride, x_scale + i,   \
+               w_scale + c, y + i * y_stride + c, y_stride)
+#define QSI8_TOKENS(R)                                                                             \
+    switch (tb) {                                                                                  \
+    case 1: QSI8_CALL(R, 1); break;                                                                \
+    case 2: QSI8_CALL(R, 2); break;                                                                \
+    case 3: QSI8_CALL(R, 3); break;                                                                \
+    default: QSI8_CALL(R, 4); break;                                                               \
+    }
+    /* m <= 4: one weight row at a time, all tokens at once (a single linear stream); more tokens:
+     * blocks of QSI8_BLOCK_ROWS rows x QSI8_BLOCK_TOKENS tokens, the weight block staying in cache
+     * while the tokens stream past it */
+    size_t rows = m <= 4 ? 1 : QSI8_BLOCK_ROWS, tokens = m <= 4 ? m : QSI8_BLOCK_TOKENS;
+    for (size_t c = 0; c < n; c += rows) {
+        size_t rb = n - c < rows ? n - c : rows;
+        for (size_t i = 0; i < m; i += tokens) {
+            size_t tb = m - i < tokens ? m - i : tokens;
+            switch (rb) {
+            case 1: QSI8_TOKENS(1); break;
+#if QSI8_BLOCK_ROWS >= 2
+            case 2: QSI8_TOKENS(2); break;
+#endif
+#if QSI8_BLOCK_ROWS >= 3
+            case 3: QSI8_TOKENS(3); break;
+#endif
+#if QSI8_BLOCK_ROWS >= 4
+            case 4: QSI8_TOKENS(4); break;
+#endif
+            default: break;
             }
-            for (; j < k32; j += 32)
-                acc0 = dot32(acc0, _mm256_loadu_si256((const __m256i *)(xr + j)), _mm256_loadu_si256((const __m256i *)(wr + j)));
-            if (k32 < k) acc1 = dot32(acc1, _mm256_loadu_si256((const __m256i *)(xr + k32)), tail);
-            y[i * y_stride + c] = epilogue(hsum(_mm256_add_epi32(acc0, acc1)), x_scale[i], w_scale[c]);
         }
     }
+#undef QSI8_TOKENS
+#undef QSI8_CALL
 }
 
 static void matmul_bf16_avx2(size_t m, size_t n, size_t k, const float *x, size_t x_stride,

@@ -374,20 +374,22 @@ def _choose_path(path: str | None, m: int, k: int) -> str:
 
 
 TUNE = os.environ.get("S3D8_TUNE_PATHS", "1") != "0"
-"""Above ``FUSED_MAX_M`` tokens on x86, time the tiled and torch paths on the first product of each size class
-and keep the faster (``S3D8_TUNE_PATHS=0``: the fixed thresholds above). Which INT8 GEMM wins depends on the CPU
-(AMD's oneDNN kernels lose to ours at 128 tokens, Intel's win); every path gives the same bits (tested), so
+"""Above ``FUSED_MAX_M`` tokens on x86 without AMX, time the library's INT8 GEMM against torch's on the first
+product of each size class and keep the faster (``S3D8_TUNE_PATHS=0``: the fixed thresholds above): the tiled and
+torch paths of ``s3d8_matmul``, the fused and torch paths of ``int8_matmul``. Which INT8 GEMM wins depends on the
+CPU (AMD's oneDNN kernels lose to ours at 128 tokens, Intel's win; on an AVX2-only CPU ``torch._int_mm`` runs at
+about 1 GMAC/s, so there the first product of a size class is slow); every path gives the same bits (tested), so
 tuning changes speed only."""
 _tuned: dict[tuple, str] = {}
 
 
-def _tuned_path(key: tuple, run) -> tuple[str, torch.Tensor]:
+def _tuned_path(key: tuple, run, candidates: tuple[str, ...] = ("tiled", "torch")) -> tuple[str, torch.Tensor]:
     """``(path, result)``: the path tuned for ``key`` and ``run(path)``'s result; the first call of a key times
-    each candidate on a second, warm call."""
+    each of ``candidates`` on a second, warm call."""
     if key in _tuned:
         return _tuned[key], run(_tuned[key])
     times = {}
-    for candidate in ("tiled", "torch"):
+    for candidate in candidates:
         run(candidate)                                   # warm: workspaces, page faults, oneDNN's kernel cache
         began = time.perf_counter()
         y = run(candidate)
@@ -467,7 +469,8 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """``x @ W.T`` for a per-channel INT8 weight ``int8 [n, k]`` with bf16 channel scales: the same
     activation handling, non-finite policy and epilogue as ``s3d8_matmul``. Weights are symmetric INT8
     ([-127, 127]) by convention, and -128 is exact too (then k <= ``K_MAX_INT8_FULL``). ``path`` is
-    ``"fused"`` (the library's kernel) or ``"torch"`` (``torch._int_mm``); by default fused for small m."""
+    ``"fused"`` (the library's kernel) or ``"torch"`` (``torch._int_mm``); by default fused for small m, and
+    above ``FUSED_MAX_M`` tokens the faster of the two (tuned once per size class, see ``TUNE``)."""
     weight = _check(weight, "weight", torch.int8, (2,))
     d_out, d_in = _check_shape(weight.shape, "weight")
     _check_k(d_in, "weight")
@@ -478,6 +481,9 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     v, t = _variant_index(variant), _threads(threads)
     x2 = x.reshape(-1, d_in)
     m = x2.shape[0]
+    if path is None and TUNE and _X86 and not _AMX and m > FUSED_MAX_M:
+        key = ("int8", v, t, m.bit_length(), d_in.bit_length(), d_out.bit_length())
+        return _tuned_path(key, lambda p: int8_matmul(x, weight, scale, variant, threads, p), ("fused", "torch"))[1]
     y = torch.empty(m, d_out, dtype=torch.float32)
     chosen = _choose_path(path, m, d_in)
     if m == 0:
