@@ -149,16 +149,16 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: CudaPhases)
     prompt_len = len(S._examples(processor, d["model"], 1, 1)[0].prompt_ids)
     examples = S._examples(processor, d["model"], max(batch * steps, batch), seq - prompt_len - 1)
     engine = qt._FSDP2
-    orig = {k: getattr(engine, k) for k in ("teacher", "wrap", "save_student")}
+    orig = {k: getattr(engine, k) for k in ("teacher", "student", "save_student")}
 
     def teacher_hook(self, model):
         r = orig["teacher"](self, model)
         phases.enter("qat_load_student")
         return r
 
-    def wrap_hook(self, student):
-        phases.enter("qat_shard_student")
-        r = orig["wrap"](self, student)
+    def student_hook(self, *args):
+        # rank 0 loads the student; every rank builds it on meta, shards it and receives its shards
+        r = orig["student"](self, *args)
         phases.enter("qat_train")
         return r
 
@@ -166,10 +166,11 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: CudaPhases)
         phases.enter("qat_save_student")
         return orig["save_student"](self, student, proc, out_dir, *rest)
 
-    engine.teacher, engine.wrap, engine.save_student = teacher_hook, wrap_hook, save_hook
+    engine.teacher, engine.student, engine.save_student = teacher_hook, student_hook, save_hook
     launch = LaunchParams(num_processes=1, backend="nccl", strategy="fsdp2", compute_dtype="bfloat16",
                           gradient_checkpointing=True, teacher="replicate")
-    p = qt.QATParams(steps=steps, batch_size=batch, grad_accum=1, max_seq_len=seq, checkpoint_every=10**6, threads=0)
+    p = qt.QATParams(steps=steps, batch_size=batch, grad_accum=1, max_seq_len=seq, checkpoint_every=10**6, threads=0,
+                     init="teacher")
     work = d["model"].parent / "gpu_qat"
     phases.enter("qat_load_teacher")
     try:

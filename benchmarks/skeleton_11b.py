@@ -673,7 +673,7 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
         shutil.rmtree(d["qat"], ignore_errors=True)
     launch = LaunchParams(num_processes=world, backend="gloo", strategy="fsdp2", compute_dtype="float32",
                           gradient_checkpointing=ckpt, teacher=teacher)
-    p = qt.QATParams(steps=steps, batch_size=2 * world, grad_accum=1, max_seq_len=seq, checkpoint_every=1000,
+    p = qt.QATParams(steps=steps, batch_size=2 * world, grad_accum=1, max_seq_len=seq, checkpoint_every=1000, init="teacher",
                      threads=1)
     enter("load_teacher")
     t0 = time.perf_counter()

@@ -60,7 +60,7 @@ def _set(cwd: Path, **launch) -> Path:
 def _copy_inputs(src: Path, dst: Path, **launch) -> Path:
     dst.mkdir(parents=True)
     shutil.copy(src / "params.yaml", dst / "params.yaml")
-    for part in ("data/prompts", "data/sampled", "data/teacher", "data/centroids"):
+    for part in ("data/prompts", "data/sampled", "data/teacher", "data/centroids", "data/calibration"):
         shutil.copytree(src / part, dst / part, symlinks=True)
     return _set(dst, **launch)
 
@@ -81,7 +81,8 @@ def inputs(tmp_path_factory):
     here, argv = os.getcwd(), sys.argv
     try:
         os.chdir(cwd)
-        for script, *args in [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",)]:
+        for script, *args in [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",),
+                              ("calibrate.py",)]:
             sys.argv = [str(STAGES / script), *args]
             runpy.run_path(str(STAGES / script), run_name="__main__")
     finally:

@@ -58,8 +58,8 @@ class QATParams:
     checkpoint_every: int = positive(25)
     seed: int = 0
     threads: int = non_negative(1)
-    init: Literal["teacher", "ptq"] = "teacher"   # ptq: start from pack.method's direct cast (weights, table, scales)
-    learn_scales: bool = False            # the bf16 scales as trained parameters (LSQ gradient)
+    init: Literal["teacher", "ptq"] = "ptq"   # ptq: start from pack.method's direct cast (weights, table, scales)
+    learn_scales: bool = True             # the bf16 scales as trained parameters (LSQ gradient)
     scale_lr: float = positive(1e-3)      # their learning rate (on log2 of the scale); same cosine schedule
     refit_table: bool = False             # S3D8: refit each centroid table on the trained weights at the end
 
