@@ -507,9 +507,11 @@ def test_encode_row_with_a_tiny_absmax(variant):
     assert decoded[3].abs().max() <= 127 * 2.0 ** -126
 
 
-def test_path_tuning_changes_speed_not_bits(monkeypatch):
-    """Above FUSED_MAX_M tokens (x86 without AMX) the first product of a size class times the tiled and torch
-    paths and keeps the faster; both give the reference's bits, so whichever wins, the result is the same."""
+@pytest.mark.parametrize("op", ["s3d8", "int8"])
+def test_path_tuning_changes_speed_not_bits(monkeypatch, op):
+    """Above FUSED_MAX_M tokens (x86 without AMX) the first product of a size class times the library's INT8 GEMM
+    (s3d8_matmul: tiled; int8_matmul: fused) and torch's and keeps the faster; both give the reference's bits, so
+    whichever wins, the result is the same."""
     if not (native._X86 and not native._AMX):
         pytest.skip("path tuning runs on x86 without AMX")
     monkeypatch.setattr(native, "TUNE", True)
@@ -520,26 +522,10 @@ def test_path_tuning_changes_speed_not_bits(monkeypatch):
     x = activations(40, shape[1], seed=3)
     xq, x_scale = int8_activations(x)
     expected = int8_matmul_reference(xq, x_scale, w_int8, scale)
-    assert torch.equal(native.s3d8_matmul(x, packed, scale, table, shape), expected)
-    assert list(native._tuned.values())[0] in ("tiled", "torch") and len(native._tuned) == 1
-    assert torch.equal(native.s3d8_matmul(x, packed, scale, table, shape), expected)     # the tuned path
-    assert len(native._tuned) == 1
-
-
-def test_int8_path_tuning_changes_speed_not_bits(monkeypatch):
-    """``int8_matmul`` tunes like ``s3d8_matmul``: above FUSED_MAX_M tokens (x86 without AMX) the first product
-    of a size class times the fused (library) and torch paths and keeps the faster, with the same bits either way."""
-    if not (native._X86 and not native._AMX):
-        pytest.skip("path tuning runs on x86 without AMX")
-    monkeypatch.setattr(native, "TUNE", True)
-    monkeypatch.setattr(native, "_tuned", {})
-    shape = (96, 160)
-    _, packed, scale, table = random_s3d8(*shape)
-    w_int8 = s3d8.decode_int8(packed, table, shape).contiguous()
-    x = activations(40, shape[1], seed=3)
-    xq, x_scale = int8_activations(x)
-    expected = int8_matmul_reference(xq, x_scale, w_int8, scale)
-    assert torch.equal(native.int8_matmul(x, w_int8, scale), expected)
-    assert list(native._tuned)[0][0] == "int8" and list(native._tuned.values())[0] in ("fused", "torch")
-    assert torch.equal(native.int8_matmul(x, w_int8, scale), expected)                   # the tuned path
+    run = (lambda: native.s3d8_matmul(x, packed, scale, table, shape)) if op == "s3d8" else \
+        (lambda: native.int8_matmul(x, w_int8, scale))
+    assert torch.equal(run(), expected)
+    assert list(native._tuned.values())[0] in (("tiled", "torch") if op == "s3d8" else ("fused", "torch"))
+    assert (list(native._tuned)[0][0] == "int8") == (op == "int8") and len(native._tuned) == 1
+    assert torch.equal(run(), expected)                   # the tuned path
     assert len(native._tuned) == 1
