@@ -84,7 +84,7 @@ def test_teacher_generate_resumes_after_a_kill(chain, tmp_path, teacher):
 
 def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher, **{"qat.checkpoint_every": 1})
-    for part in ("data/sampled", "data/teacher", "data/centroids"):
+    for part in ("data/sampled", "data/teacher", "data/centroids", "data/calibration"):
         shutil.copytree(chain / part, cwd / part)
     run_stage_killed_after(cwd, "pipeline.qat.train._save_checkpoint", "qat_train.py", "--format", "s3d8")
     assert (cwd / "checkpoints/qat/s3d8.safetensors").exists()
@@ -102,7 +102,7 @@ def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, te
 
 def test_a_planted_pickle_never_runs_and_training_starts_afresh(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher, **{"qat.steps": 2})
-    for part in ("data/teacher", "data/centroids"):
+    for part in ("data/teacher", "data/centroids", "data/calibration"):
         shutil.copytree(chain / part, cwd / part)
     marker = tmp_path / "pwned"
 
@@ -203,7 +203,7 @@ def test_missing_teacher_is_named(tmp_path, teacher):
 
 def test_contradictory_params_are_named(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher, **{"qat.batch_size": 64})
-    for part in ("data/teacher", "data/centroids"):
+    for part in ("data/teacher", "data/centroids", "data/calibration"):
         shutil.copytree(chain / part, cwd / part)
     proc = run_stage(cwd, "qat_train.py", "--format", "s3d8", check=False)
     assert proc.returncode == 1 and "qat.batch_size=64" in proc.stderr
@@ -218,7 +218,7 @@ def test_contradictory_params_are_named(chain, tmp_path, teacher):
 
 def test_corrupt_shard_is_named(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher)
-    for part in ("data/teacher", "data/centroids"):
+    for part in ("data/teacher", "data/centroids", "data/calibration"):
         shutil.copytree(chain / part, cwd / part)
     victim = cwd / "data/teacher/shard-00002.parquet"
     victim.write_bytes(victim.read_bytes()[:100])
