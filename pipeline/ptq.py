@@ -431,16 +431,14 @@ def pack(name: str, weight: torch.Tensor, *, method: str | None = None, importan
     if fmt.name == s3d8.NAME:
         if method == "gptq":
             packed, scale, table = s3d8_gptq(w, hessian, seed=seed, compensated=compensated)
-        else:
-            table, scale = s3d8_search(w, importance, seed=seed)
-            packed, scale = s3d8.encode_with_scale(w, table, scale)
-        return {"packed": packed.reshape(-1), "scale": scale, "table": table}
+            return {"packed": packed.reshape(-1), "scale": scale, "table": table}
+        table, scale = s3d8_search(w, importance, seed=seed)
+        return pack_at_scale(name, w, {"table": table}, scale)
     if method == "gptq":
         codes, scale, codepoints = scalar_gptq(fmt, w, hessian, seed=seed, compensated=compensated)
-    else:
-        codepoints, scale = scalar_search(fmt, w, importance, seed=seed)
-        codes = scalar_pack_codes(scalar_codes(scalar.blocked(w, fmt.block), codepoints, scale), d_out, d_in)
-    return {"codes": codes, "scale": scale, "codepoints": codepoints}
+        return {"codes": codes, "scale": scale, "codepoints": codepoints}
+    codepoints, scale = scalar_search(fmt, w, importance, seed=seed)
+    return pack_at_scale(name, w, {"codepoints": codepoints}, scale)
 
 
 def direct_cast(name: str, weight: torch.Tensor, *, method: str | None = None,
@@ -502,12 +500,7 @@ def pack_at_scale(name: str, weight: torch.Tensor, state: dict[str, torch.Tensor
     check_weight(weight)
     w = weight.detach().float()
     if name == s3d8.NAME:
-        native = s3d8.native_or_none()
-        scale = s3d8.check_scale(scale, w.shape[0])
-        if native is not None and w.device.type == "cpu":
-            packed, scale = native.s3d8_encode(w.contiguous(), state["table"], scale=scale)
-        else:
-            packed, scale = s3d8.encode_with_scale(w, state["table"], scale)
+        packed, scale = s3d8.encode_auto(w, state["table"], s3d8.check_scale(scale, w.shape[0]))
         return {"packed": packed.reshape(-1), "scale": scale, "table": s3d8.check_table(state["table"])}
     d_out, d_in = w.shape
     cp = state["codepoints"].float()
@@ -524,10 +517,7 @@ def values_at_scale(name: str, weight: torch.Tensor, state: dict[str, torch.Tens
     w = weight.detach().float()
     if name == s3d8.NAME:
         packed = pack_at_scale(name, w, state, scale)["packed"]
-        native = s3d8.native_or_none()
-        if native is not None and w.device.type == "cpu":
-            return native.s3d8_decode_int8(packed, state["table"], tuple(w.shape)).float()
-        return s3d8.decode_int8(packed, state["table"], tuple(w.shape)).float()
+        return s3d8.decode_int8_auto(packed, state["table"], tuple(w.shape)).float()
     from pipeline import formats
 
     d_out, d_in = w.shape

@@ -252,10 +252,9 @@ def quantize(weight: torch.Tensor, table: torch.Tensor, *, use_native: bool | No
     check_weight(weight)
     table = check_table(table)
     d_out, d_in = weight.shape
-    native = native_or_none() if use_native is not False and weight.device.type == "cpu" else None
-    if native is not None:
-        packed, scale = native.s3d8_encode(weight.detach().float().contiguous(), table)
-        w = native.s3d8_decode_int8(packed, table, (d_out, d_in)).float() * scale.float()
+    if _native_for(weight, use_native) is not None:
+        packed, scale = encode_auto(weight, table)
+        w = decode_int8_auto(packed, table, (d_out, d_in)).float() * scale.float()
         return straight_through(weight, w.to(weight.dtype))
     scale = weight_scale(weight)
     t = table.float().to(weight.device)
@@ -275,6 +274,30 @@ def native_or_none():
     except ImportError:
         return None
     return native
+
+
+def _native_for(t: torch.Tensor, use_native: bool | None):
+    """The native kernel module when it is built, ``t`` lies on the CPU and ``use_native`` is not False."""
+    return native_or_none() if use_native is not False and t.device.type == "cpu" else None
+
+
+def encode_auto(weight: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None, *,
+                use_native: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` (``scale`` None) or :func:`encode_with_scale`, on the native encoder when it is built
+    and the weight lies on the CPU (bit-identical, tested; some 50x faster), else this module's."""
+    native = _native_for(weight, use_native)
+    if native is None:
+        return encode(weight, table) if scale is None else encode_with_scale(weight, table, scale)
+    if scale is not None:
+        scale = check_scale(scale, weight.shape[0])
+    return native.s3d8_encode(weight.detach().float().contiguous(), table, scale=scale)
+
+
+def decode_int8_auto(packed: torch.Tensor, table: torch.Tensor, shape, *,
+                     use_native: bool | None = None) -> torch.Tensor:
+    """:func:`decode_int8` on the native decoder when it is built and the bytes lie on the CPU."""
+    native = _native_for(packed, use_native)
+    return decode_int8(packed, table, shape) if native is None else native.s3d8_decode_int8(packed, table, shape)
 
 
 def _vectors_sample(weight: torch.Tensor, max_vectors: int, seed: int) -> torch.Tensor:
@@ -387,12 +410,9 @@ class S3D8(FormatBase):
                 "table": (torch.int8, (N_CENTROIDS, GROUP))}
 
     def pack(self, weight: torch.Tensor, state: State) -> dict[str, torch.Tensor]:
-        native = native_or_none()
-        if native is not None:
-            packed, scale = native.s3d8_encode(weight.float().contiguous(), state["table"])
-        else:  # the reference encoder is bit-identical (tested), only slower
+        if native_or_none() is None:  # the reference encoder is bit-identical (tested), only slower
             warnings.warn("native S3D8 library not built (run ./setup.sh); packing with the Python encoder")
-            packed, scale = encode(weight.float(), state["table"])
+        packed, scale = encode_auto(weight.float(), state["table"])
         return {"packed": packed.reshape(-1), "scale": scale, "table": state["table"]}
 
     def unpack(self, tensors: dict[str, torch.Tensor], shape) -> torch.Tensor:
