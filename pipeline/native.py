@@ -437,12 +437,8 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
         _check_table_values(table)
     if m == 0:
         return y.reshape(*x.shape[:-1], d_out)
-    if chosen == "fused":  # one C call: quantise into a reused workspace, then the fused kernel
-        work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
-        _ok(lib.s3d8_linear_s3d8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, packed.data_ptr(),
-                                    table.data_ptr(), scale.data_ptr(), y.data_ptr(), d_out,
-                                    work.data_ptr()), "s3d8_matmul")
-        return y.reshape(*x.shape[:-1], d_out)
+    if chosen == "fused":
+        return _fused(lib.s3d8_linear_s3d8_at, v, t, x, packed, table, scale, (d_out, d_in), "s3d8_matmul")
     xq, xs, xsum = _quantize(x2, v, t)
     p_packed, p_table, p_scale = _ptr(packed, "uint8_t *"), _ptr(table, "int8_t *"), _ptr(scale, "uint16_t *")
     if chosen == "tiled":
@@ -461,6 +457,34 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
                                 _ptr(tile, "int8_t *"), d_in), "s3d8_matmul")
             _int_mm_epilogue(xq[:, :d_in], tile[:n], xs, p_scale + r0, y[:, r0:], v, t)
     return y.reshape(*x.shape[:-1], d_out)
+
+
+def _qsi8_at(v, t, m, d_out, d_in, x, x_stride, weight, _table, scale, y, y_stride, work):
+    return lib.s3d8_linear_qsi8_at(v, t, m, d_out, d_in, x, x_stride, weight, d_in, scale, y, y_stride, work)
+
+
+def _fused(entry, v: int, t: int, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor | None,
+           scale: torch.Tensor, shape: tuple[int, int], what: str) -> torch.Tensor:
+    """One C call for float32 ``x [..., d_in]`` (contiguous, checked): quantise the tokens into a reused
+    workspace, then the fused product (``entry``: S3D8 bytes + table, or INT8 weights)."""
+    d_out, d_in = shape
+    m = x.numel() // d_in
+    y = torch.empty(*x.shape[:-1], d_out, dtype=torch.float32)
+    work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
+    _ok(entry(v, t, m, d_out, d_in, x.data_ptr(), d_in, weight.data_ptr(), 0 if table is None else table.data_ptr(),
+              scale.data_ptr(), y.data_ptr(), d_out, work.data_ptr()), what)
+    return y
+
+
+def _plain_tokens(x, d_in: int) -> int:
+    """The token count of ``x`` when it is what the kernels read as it is (a dense contiguous float32 CPU
+    tensor ``[..., d_in]``, at most ``FUSED_MAX_M`` tokens), else 0: the modules' hot path for decoding,
+    which skips the argument checks (tens of microseconds, x 100 products per token)."""
+    if (type(x) is not torch.Tensor or x.dtype != torch.float32 or x.layout != torch.strided
+            or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != d_in or not x.is_contiguous() or x.is_neg()):
+        return 0
+    m = x.numel() // d_in
+    return m if m <= FUSED_MAX_M else 0
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -492,9 +516,7 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         xq, xs, _ = _quantize(x2, v, t)
         _int_mm_epilogue(xq[:, :d_in], weight, xs, _ptr(scale, "uint16_t *"), y, v, t)
     else:  # "fused" and "tiled" are the same kernel for INT8 weights
-        work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
-        _ok(lib.s3d8_linear_qsi8_at(v, t, m, d_out, d_in, x2.data_ptr(), d_in, weight.data_ptr(), d_in,
-                                    scale.data_ptr(), y.data_ptr(), d_out, work.data_ptr()), "int8_matmul")
+        return _fused(_qsi8_at, v, t, x, weight, None, scale, (d_out, d_in), "int8_matmul")
     return y.reshape(*x.shape[:-1], d_out)
 
 
@@ -504,13 +526,15 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, variant: str | None = Non
     NaN and Inf propagate as in IEEE arithmetic, and the summation order is the variant's own)."""
     weight = _check(weight, "weight", torch.bfloat16, (2,))
     d_out, d_in = _check_shape(weight.shape, "weight")
-    x = _check_x(x, d_in)
-    x2 = x.reshape(-1, d_in)
-    y = torch.empty(x2.shape[0], d_out, dtype=torch.float32)
-    _ok(lib.s3d8_matmul_bf16(_variant_index(variant), _threads(threads), x2.shape[0], d_out, d_in,
-                             _ptr(x2, "float *"), d_in, _ptr(weight, "uint16_t *"), d_in,
-                             _ptr(y, "float *"), d_out), "bf16_matmul")
-    return y.reshape(*x.shape[:-1], d_out)
+    return _bf16(_variant_index(variant), _threads(threads), _check_x(x, d_in), weight)
+
+
+def _bf16(v: int, t: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    d_out, d_in = weight.shape
+    y = torch.empty(*x.shape[:-1], d_out, dtype=torch.float32)
+    _ok(lib.s3d8_matmul_bf16(v, t, x.numel() // d_in, d_out, d_in, _ptr(x, "float *"), d_in,
+                             _ptr(weight, "uint16_t *"), d_in, _ptr(y, "float *"), d_out), "bf16_matmul")
+    return y
 
 
 def read_bandwidth_probe(buf: torch.Tensor) -> int:
@@ -544,10 +568,56 @@ class S3D8Linear(torch.nn.Module):
             raise ValueError(f"x: expected a floating-point tensor, got "
                              f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
         dtype = x.dtype
-        y = s3d8_matmul(x.float().contiguous(), self.packed, self.scale, self.table, self.shape)
+        if _plain_tokens(x, self.shape[1]) and _hot(self.packed, self.scale):
+            y = _fused(lib.s3d8_linear_s3d8_at, _variant_index(None), _threads(None), x, self.packed, self.table,
+                       self.scale, self.shape, "s3d8_matmul")
+        else:
+            y = s3d8_matmul(x.float().contiguous(), self.packed, self.scale, self.table, self.shape)
         if self.bias is not None:
             y += self.bias
         return y.to(dtype)
 
     def extra_repr(self) -> str:
         return f"d_in={self.shape[1]}, d_out={self.shape[0]}, variant={variant()}"
+
+
+def _hot(weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """A module's buffers as construction checked them (still on the CPU, the scale still bf16)."""
+    return weight.device.type == "cpu" and (scale is None or scale.dtype == torch.bfloat16)
+
+
+class Int8Linear(torch.nn.Module):
+    """Inference-only linear layer over a per-channel INT8 weight on ``int8_matmul`` (the library's INT8
+    baseline), with the same hot path for decoding as :class:`S3D8Linear`."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        weight = _check(weight, "weight", torch.int8, (2,))
+        d_out, d_in = _check_shape(weight.shape, "weight")
+        _check_k(d_in, "weight", K_MAX_INT8_FULL)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", _check_scale(scale, d_out))
+        self.out_features, self.in_features = d_out, d_in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (self.out_features, self.in_features)
+        if _plain_tokens(x, self.in_features) and _hot(self.weight, self.scale):
+            return _fused(_qsi8_at, _variant_index(None), _threads(None), x, self.weight, None, self.scale, shape,
+                          "int8_matmul")
+        return int8_matmul(x.float().contiguous(), self.weight, self.scale).to(x.dtype)
+
+
+class Bf16Linear(torch.nn.Module):
+    """Inference-only linear layer over a bf16 weight on ``bf16_matmul`` (float32 arithmetic, the float
+    baseline)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        weight = _check(weight, "weight", torch.bfloat16, (2,))
+        self.register_buffer("weight", weight)
+        self.out_features, self.in_features = _check_shape(weight.shape, "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _plain_tokens(x, self.in_features) and _hot(self.weight, None) and self.weight.dtype == torch.bfloat16:
+            return _bf16(_variant_index(None), _threads(None), x, self.weight)
+        return bf16_matmul(x.float().contiguous(), self.weight).to(x.dtype)

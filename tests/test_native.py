@@ -178,6 +178,36 @@ def test_linear_module():
     assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("kind", ["s3d8", "int8", "bf16"])
+def test_linear_modules_hot_path_equals_the_checked_functions(kind):
+    """The modules' decode hot path (plain float32 tokens, checks skipped) gives the functions' bits; other
+    inputs (1-D, strided, bf16, more tokens than the fused kernel takes) go through the checked functions."""
+    d_out, d_in = 10, 40
+    w, packed, scale, table = random_s3d8(d_out, d_in)
+    if kind == "s3d8":
+        layer = native.S3D8Linear(packed, scale, table, (d_out, d_in))
+        ref = lambda x: native.s3d8_matmul(x, packed, scale, table, (d_out, d_in))  # noqa: E731
+    elif kind == "int8":
+        w8 = torch.randint(-127, 128, (d_out, d_in), generator=torch.Generator().manual_seed(1), dtype=torch.int8)
+        layer = native.Int8Linear(w8, scale)
+        ref = lambda x: native.int8_matmul(x, w8, scale)  # noqa: E731
+    else:
+        wb = w.to(torch.bfloat16)
+        layer = native.Bf16Linear(wb)
+        ref = lambda x: native.bf16_matmul(x, wb)  # noqa: E731
+    gen = torch.Generator().manual_seed(2)
+    for x in (torch.randn(1, d_in, generator=gen), torch.randn(d_in, generator=gen),
+              torch.randn(2, 3, d_in, generator=gen), torch.randn(d_in, 5, generator=gen).t(),
+              torch.randn(native.FUSED_MAX_M + 4, d_in, generator=gen)):
+        got = layer(x)
+        assert got.shape == (*x.shape[:-1], d_out) and got.dtype == torch.float32
+        assert torch.equal(got, ref(x.contiguous()))
+    xb = torch.randn(3, d_in, generator=gen).to(torch.bfloat16)
+    assert torch.equal(layer(xb), ref(xb.float()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=f"x: expected float32 \\[m, {d_in}\\]"):
+        layer(torch.randn(2, d_in + 1))
+
+
 def test_bad_input_raises_clear_errors():
     shape = (7, 33)
     _, packed, scale, table = random_s3d8(*shape)

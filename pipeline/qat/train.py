@@ -3,7 +3,7 @@
 Student = the teacher's weights in fp32 with every quantised module fake-quantised by the frozen
 fitted state; loss = KL(teacher || student) summed over response tokens, divided by the response-token
 count of the global batch (all micro-batches, all processes); AdamW (0.9, 0.95), weight decay 0, cosine
-schedule without warm-up, lr = 2^-(b + 14) unless set. Runs under ``accelerate`` (one process by
+schedule without warm-up, lr = lr_scale x 2^-(b + 14) unless set. Runs under ``accelerate`` (one process by
 default, DDP on several: ``python -m pipeline.launch``), or with the student sharded by FSDP2
 (``launch.strategy: fsdp2``, ``pipeline.qat.distributed``); checkpoints every N steps and resumes from the last
 one when the fingerprint matches.
@@ -51,7 +51,8 @@ class QATParams:
     batch_size: int = positive(16)        # sequences per optimizer step, all processes together
     grad_accum: int = positive(1)
     max_seq_len: int = positive(160)
-    lr: float | None = positive(None)     # None: 2^-(b + 14), b the average bits per parameter
+    lr: float | None = positive(None)     # None: lr_scale x 2^-(b + 14), b the average bits per parameter
+    lr_scale: float = positive(4.0)       # the multiple of the recipe's rule (its 2,048 steps at 11B; 400 here)
     betas: list[float] = bounded(default_factory=lambda: [0.9, 0.95], ge=0, le=1)
     weight_decay: float = non_negative(0.0)
     act_quant: bool = True
@@ -132,7 +133,7 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     names: dict[str, str] = {}
     student = engine.student(teacher_source, lambda model: _quantise(model, fmt, states, p, start, names), launch)
     bits = average_bits(student, fmt)
-    lr = p.lr if p.lr is not None else recipe_lr(bits)
+    lr = p.lr if p.lr is not None else p.lr_scale * recipe_lr(bits)
     scale_lr = p.scale_lr
     params_ = dict(student.named_parameters())
     groups = [{"params": [v for k, v in params_.items() if not k.endswith(".qat_log2_scale")], "lr": lr}]
