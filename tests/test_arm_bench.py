@@ -97,3 +97,20 @@ def test_generate_options_need_generate(tmp_path):
     result = run_stage("--generate", "--shapes", "1x64x96", "--out", "x.json", cwd=tmp_path)
     assert result.returncode == 2 and "--shapes does not apply with --generate" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_generate_benchmark_writes_its_report_atomically(tmp_path, monkeypatch):
+    """``python -m pipeline.bench.generate`` on the toy (a short prompt): JSON, markdown and plot, nothing else."""
+    from pipeline.bench import generate
+
+    real = generate.read_bandwidth
+    monkeypatch.setattr(generate, "read_bandwidth", lambda: real(nbytes=1 << 26, repeats=2))
+    out = tmp_path / "reports"
+    assert generate.main(["--models", "toy", "--impls", "lean", "--threads", "1", "--prompt-tokens", "8",
+                          "--new-tokens", "4", "--out", str(out)]) == 0
+    data = json.loads((out / "bench_generate.json").read_text())
+    assert [(r["model"], r["format"], r["impl"], r["threads"]) for r in data["records"]] == [("toy", "s3d8", "lean", 1)]
+    assert data["records"][0]["new_tokens"] == 4 and data["read_bandwidth_gb_s"] > 0
+    md = (out / "bench_generate.md").read_text()
+    assert "| toy | s3d8 | lean | 1 |" in md and "overhead-bound" in md
+    assert sorted(p.name for p in out.iterdir()) == ["bench_generate.json", "bench_generate.md", "bench_generate.png"]

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.io import atomic_path, write_json, write_text
+
 ROOT = Path(__file__).resolve().parents[2]
 SYNTH_DIR = ROOT / "models" / "synthetic"
 TOY_PACKED = SYNTH_DIR / "toy" / "s3d8.safetensors"
@@ -291,7 +293,7 @@ def write_report(data: dict, out_dir: Path) -> None:
                   f"{r['decode_tokens_per_s'] / bound:.0%} | {r['peak_rss_mb']:.0f} |")
     md += ["", "## Goals", "", *analyse(data), ""]
     md += [f"- {m}" for m in data.get("notes", [])]
-    (out_dir / "bench_generate.md").write_text("\n".join(md) + "\n")
+    write_text(out_dir / "bench_generate.md", "\n".join(md) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -309,7 +311,8 @@ def write_report(data: dict, out_dir: Path) -> None:
     ax.set_yscale("log")
     ax.set_title(f"Decode tokens/s ({data['prompt_tokens']}-token prompt, {data['new_tokens']} new tokens)")
     fig.tight_layout()
-    fig.savefig(out_dir / "bench_generate.png", dpi=120)
+    with atomic_path(out_dir / "bench_generate.png") as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -385,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "read_bandwidth_gb_s": bw / 1e9, "threads": threads, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "goals": GOALS, "notes": notes, "records": records}
-    (out_dir / "bench_generate.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_json(out_dir / "bench_generate.json", data)
     write_report(data, out_dir)
     return 0
 
