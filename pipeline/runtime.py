@@ -19,7 +19,8 @@ Generation, greedy or sampled (temperature, top-k, top-p, seeded), with a KV cac
   processors). ``pipeline/bench/generate.py`` measures both; the lean loop is faster at every size we
   measured (``reports/bench_generate.md``), so it is the default.
 
-``python -m pipeline.runtime MODEL --prompt "..." [--image PATH] [--max-new-tokens N] [--threads N]``
+``python -m pipeline.runtime MODEL_DIR --prompt "..." [--image PATH] [--max-new-tokens N] [--threads N]`` (a packed
+model directory, or its ``model.safetensors``)
 prints tokens as they come and tokens/s at the end.
 """
 
@@ -514,10 +515,24 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def packed_file(path: str | Path) -> Path:
+    """The packed file of ``path``: the file itself, or a packed model directory's ``model.safetensors`` (what
+    pack-safetensors writes beside the config and processor files)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if (path / "model.safetensors").is_file():
+        return path / "model.safetensors"
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    raise RuntimeInputError(f"{path}: a packed model directory holds model.safetensors; found "
+                            f"{', '.join(found) if found else 'no .safetensors file'}")
+
+
 def _processor_for(path: Path, meta: dict[str, str], tokenizer: str | None):
     from pipeline.models import load_processor
 
-    source = tokenizer or meta.get("source_model")
+    beside = path.parent if (path.parent / "processor_config.json").is_file() else None
+    source = tokenizer or beside or meta.get("source_model")
     if source and Path(source).exists():
         return load_processor(source)
     return None
@@ -533,7 +548,8 @@ def _inputs(kind: str, processor, prompt: str, image: str | None, vocab: int) ->
             raise RuntimeInputError(f"--prompt: byte tokens need a vocabulary of 259, the model has {vocab}")
         return {"input_ids": torch.tensor([ids])}, lambda t: f"<{t}>"
     if processor is None:
-        raise RuntimeInputError("no tokenizer: the file's 'source_model' is not a local directory; pass --tokenizer DIR")
+        raise RuntimeInputError("no tokenizer: no processor files beside the packed file and its 'source_model' is "
+                                "not a local directory; pass --tokenizer DIR")
     from pipeline.chat import chat_prompt
 
     if image:
@@ -555,7 +571,7 @@ def _inputs(kind: str, processor, prompt: str, image: str | None, vocab: int) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.runtime",
                                  description="Generate with a packed S3D8 model on the native kernels.")
-    ap.add_argument("model", help="packed model file (.safetensors)")
+    ap.add_argument("model", help="packed model directory (pack-safetensors' output) or its .safetensors file")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--image", help="an image file (Mllama models)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -576,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                                     f"use 1..{cpus}")
         if args.max_new_tokens < 1:
             raise RuntimeInputError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-        path = Path(args.model)
+        path = packed_file(args.model)
         kind, fmt = model_kind(path)
         _, meta, _ = read_header(path)
         torch.set_num_threads(threads)

@@ -137,6 +137,19 @@ def test_cli_generates_and_reports_tokens_per_s(synth):
     assert p.stdout.count("<") == 5 and "tokens/s" in p.stderr
 
 
+def test_cli_takes_a_packed_model_directory(synth, tmp_path):
+    model_dir = tmp_path / "packed"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(synth["s3d8"].read_bytes())
+    p = _cli(model_dir, "--prompt", "hello", "--max-new-tokens", "3", "--threads", "1")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("<") == 3 and "tokens/s" in p.stderr
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "shard-1.safetensors").write_bytes(b"")
+    p = _cli(tmp_path / "other", "--prompt", "x")
+    assert p.returncode == 2 and "holds model.safetensors; found shard-1.safetensors" in p.stderr
+
+
 def test_cli_bad_input_is_one_line(synth, tmp_path, packed_toy):
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a model")
