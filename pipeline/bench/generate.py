@@ -7,8 +7,10 @@ decode_tokens_per_s, weight_bytes, peak_rss_mb, ...}], ...}``), ``reports/bench_
 goals) and ``reports/bench_generate.png``.
 
 Every row runs in a fresh subprocess (``--child``), so its peak RSS (``ru_maxrss``) is that model's
-alone. The prompt is 128 seeded random token ids, generation greedy with EOS ignored, after a short
-warm-up (8 prompt tokens, 2 new). Synthetic models (``pipeline.synthetic``) are written on first use
+alone. The prompt is 128 seeded random token ids, generation greedy with EOS ignored, after a warm-up
+with another prompt of the same length (2 new tokens; its seconds are ``warmup_s``): the native INT8
+products above 16 tokens tune their path on the first call of each size class (``native.TUNE``, which
+times torch's INT8 GEMM too: ~1 GMAC/s on an AVX2-only CPU), a one-off cost a timed prefill must not hold. Synthetic models (``pipeline.synthetic``) are written on first use
 under ``models/synthetic/``; the toy is the committed toy teacher packed to S3D8 (its own fitted tables).
 llama.cpp rows (``--llama-cpp``) need the optional extra (``pip install -r requirements-bench.txt``):
 the bf16 synthetic weights as GGUF, quantised by llama.cpp's own ``llama_model_quantize``; without
@@ -130,7 +132,10 @@ def _child_native(spec: dict) -> dict:
         cfg = model.config
         vocab = getattr(cfg, "text_config", cfg).vocab_size
     run = runtime.lean_generate if spec["impl"] == "lean" else runtime.hf_generate
-    run(model, {"input_ids": _prompt(8, vocab, 1)}, 2)                     # warm-up
+    # warm-up at the prompt's length: the first product of each size class above 16 tokens tunes its path
+    t0 = time.perf_counter()
+    run(model, {"input_ids": _prompt(spec["prompt_tokens"], vocab, 1)}, 2)
+    warmup_s = time.perf_counter() - t0
     res = run(model, {"input_ids": _prompt(spec["prompt_tokens"], vocab)}, spec["new_tokens"])
     cfg = model.config if isinstance(model, runtime.LeanLlama) else None
     kv = 0
@@ -141,7 +146,7 @@ def _child_native(spec: dict) -> dict:
         hd = c.hidden_size // c.num_attention_heads
         kv = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4 * (spec["prompt_tokens"] + spec["new_tokens"])
     return {"prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens_per_s": res.decode_tokens_per_s,
-            "new_tokens": res.new_tokens, "load_s": load_s, "kv_cache_bytes": kv,
+            "new_tokens": res.new_tokens, "load_s": load_s, "warmup_s": warmup_s, "kv_cache_bytes": kv,
             "weight_bytes": int(getattr(model, "weight_bytes", path.stat().st_size))}
 
 
@@ -169,10 +174,12 @@ def _child_llama_cpp(spec: dict) -> dict:
                 llm.eval([tok])
         return t0, stamps
 
-    run(_prompt(8, vocab, 1)[0].tolist(), 2)
+    began = time.perf_counter()
+    run(_prompt(n, vocab, 1)[0].tolist(), 2)                                 # warm-up, as the native rows
+    warmup_s = time.perf_counter() - began
     t0, stamps = run(_prompt(n, vocab)[0].tolist(), m)
     return {"prefill_tokens_per_s": n / (stamps[0] - t0), "decode_tokens_per_s": (m - 1) / (stamps[-1] - stamps[0]),
-            "new_tokens": m, "load_s": load_s, "weight_bytes": Path(spec["path"]).stat().st_size,
+            "new_tokens": m, "load_s": load_s, "warmup_s": warmup_s, "weight_bytes": Path(spec["path"]).stat().st_size,
             "kv_cache_bytes": 0}
 
 
