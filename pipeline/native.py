@@ -72,7 +72,8 @@ MAX_THREADS = 1024
 # packed bytes once and wins while the product is memory-bound; above FUSED_MAX_M tokens the weights
 # are decoded to INT8 a tile at a time. The library's own INT8 kernel beats torch's oneDNN GEMM up to
 # a few hundred tokens on AVX-512 without AMX, for k up to a few thousand; beyond TORCH_MIN_M tokens
-# or TORCH_MIN_K inputs (or at once where AMX exists) torch._int_mm is faster.
+# or TORCH_MIN_K inputs (or at once where AMX exists) torch._int_mm is faster, where it has VNNI or AMX
+# kernels at all (``_INT_MM_FAST``); elsewhere the library's kernels take every size.
 FUSED_MAX_M = 16
 TORCH_MIN_M = 512
 TORCH_MIN_K = 8192
@@ -91,6 +92,17 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel]
 
 
+def _scratch_address(name: str, nbytes: int) -> int:
+    """The address of a reusable per-thread byte buffer of at least ``nbytes`` (``_scratch`` without the slice,
+    some 3 us less on the decoding hot path)."""
+    held = getattr(_workspace, name, None)
+    if held is None or held[1] < nbytes:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.int8)
+        held = (buf, buf.numel(), buf.data_ptr())
+        setattr(_workspace, name, held)
+    return held[2]
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -103,7 +115,11 @@ def _cpu_flags() -> set[str]:
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
-_AMX = _X86 and "amx_int8" in _cpu_flags()
+_FLAGS = _cpu_flags() if _X86 else set()
+_AMX = "amx_int8" in _FLAGS
+# torch._int_mm is fast only on oneDNN's VNNI / AMX kernels; elsewhere (an AVX2-only Zen 3 here) it runs at
+# about 1 GMAC/s, 10-50x below the library's INT8 kernel, so it is neither the default nor a tuning candidate.
+_INT_MM_FAST = bool(_FLAGS & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def _pad(value: int, multiple: int) -> int:
@@ -367,20 +383,25 @@ def _choose_path(path: str | None, m: int, k: int) -> str:
     if path is None:
         if m <= FUSED_MAX_M:
             return "fused"
-        return "torch" if _X86 and (_AMX or m >= TORCH_MIN_M or k >= TORCH_MIN_K) else "tiled"
+        return "torch" if _INT_MM_FAST and (_AMX or m >= TORCH_MIN_M or k >= TORCH_MIN_K) else "tiled"
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
     return path
 
 
 TUNE = os.environ.get("S3D8_TUNE_PATHS", "1") != "0"
-"""Above ``FUSED_MAX_M`` tokens on x86 without AMX, time the library's INT8 GEMM against torch's on the first
-product of each size class and keep the faster (``S3D8_TUNE_PATHS=0``: the fixed thresholds above): the tiled and
-torch paths of ``s3d8_matmul``, the fused and torch paths of ``int8_matmul``. Which INT8 GEMM wins depends on the
-CPU (AMD's oneDNN kernels lose to ours at 128 tokens, Intel's win; on an AVX2-only CPU ``torch._int_mm`` runs at
-about 1 GMAC/s, so there the first product of a size class is slow); every path gives the same bits (tested), so
-tuning changes speed only."""
+"""Above ``FUSED_MAX_M`` tokens on a CPU with VNNI but no AMX, time the library's INT8 GEMM against torch's on the
+first product of each size class and keep the faster (``S3D8_TUNE_PATHS=0``: the fixed thresholds above): the
+tiled and torch paths of ``s3d8_matmul``, the fused and torch paths of ``int8_matmul``. Which INT8 GEMM wins
+depends on the CPU (AMD's oneDNN kernels lose to ours at 128 tokens, Intel's win). Without VNNI there is nothing
+to tune (torch's is no candidate, see ``_INT_MM_FAST``). Every path gives the same bits (tested), so tuning
+changes speed only."""
 _tuned: dict[tuple, str] = {}
+
+
+def _tunes(path: str | None, m: int) -> bool:
+    """Whether a product of ``m`` tokens with ``path`` is tuned (see ``TUNE``)."""
+    return path is None and TUNE and _INT_MM_FAST and not _AMX and m > FUSED_MAX_M
 
 
 def _tuned_path(key: tuple, run, candidates: tuple[str, ...] = ("tiled", "torch")) -> tuple[str, torch.Tensor]:
@@ -428,7 +449,7 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
     v, t = _variant_index(variant), _threads(threads)
     x2 = x.reshape(-1, d_in)
     m = x2.shape[0]
-    if path is None and TUNE and _X86 and not _AMX and m > FUSED_MAX_M:
+    if _tunes(path, m):
         key = ("s3d8", v, t, m.bit_length(), d_in.bit_length(), d_out.bit_length())
         return _tuned_path(key, lambda p: s3d8_matmul(x, packed, scale, table, shape, variant, threads, p))[1]
     y = torch.empty(m, d_out, dtype=torch.float32)
@@ -470,21 +491,30 @@ def _fused(entry, v: int, t: int, x: torch.Tensor, weight: torch.Tensor, table: 
     d_out, d_in = shape
     m = x.numel() // d_in
     y = torch.empty(*x.shape[:-1], d_out, dtype=torch.float32)
-    work = _scratch("linear", m * (_pad(d_in, 64) + 8), torch.int8)
+    work = _scratch_address("linear", m * (_pad(d_in, 64) + 8))
     _ok(entry(v, t, m, d_out, d_in, x.data_ptr(), d_in, weight.data_ptr(), 0 if table is None else table.data_ptr(),
-              scale.data_ptr(), y.data_ptr(), d_out, work.data_ptr()), what)
+              scale.data_ptr(), y.data_ptr(), d_out, work), what)
     return y
 
 
 def _plain_tokens(x, d_in: int) -> int:
     """The token count of ``x`` when it is what the kernels read as it is (a dense contiguous float32 CPU
-    tensor ``[..., d_in]``, at most ``FUSED_MAX_M`` tokens), else 0: the modules' hot path for decoding,
-    which skips the argument checks (tens of microseconds, x 100 products per token)."""
+    tensor ``[..., d_in]``) and the fused kernel is the default path for it, else 0: the modules' hot path for
+    decoding, which skips the argument checks (tens of microseconds, x 100 products per token)."""
     if (type(x) is not torch.Tensor or x.dtype != torch.float32 or x.layout != torch.strided
-            or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != d_in or not x.is_contiguous() or x.is_neg()):
+            or not x.is_cpu or x.dim() < 1 or x.shape[-1] != d_in or not x.is_contiguous() or x.is_neg()):
         return 0
     m = x.numel() // d_in
-    return m if m <= FUSED_MAX_M else 0
+    return m if _choose_path(None, m, d_in) == "fused" else 0
+
+
+def _check_int8_weight(weight: torch.Tensor) -> tuple[int, int]:
+    """``(d_out, d_in)`` of a checked INT8 weight: d_in at most ``K_MAX``, or ``K_MAX_INT8_FULL`` if it holds -128."""
+    d_out, d_in = _check_shape(weight.shape, "weight")
+    _check_k(d_in, "weight")
+    if d_in > K_MAX_INT8_FULL and bool((weight == -128).any()):
+        _check_k(d_in, "weight (holds -128)", K_MAX_INT8_FULL)
+    return d_out, d_in
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -496,16 +526,13 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     ``"fused"`` (the library's kernel) or ``"torch"`` (``torch._int_mm``); by default fused for small m, and
     above ``FUSED_MAX_M`` tokens the faster of the two (tuned once per size class, see ``TUNE``)."""
     weight = _check(weight, "weight", torch.int8, (2,))
-    d_out, d_in = _check_shape(weight.shape, "weight")
-    _check_k(d_in, "weight")
-    if d_in > K_MAX_INT8_FULL and bool((weight == -128).any()):
-        _check_k(d_in, "weight (holds -128)", K_MAX_INT8_FULL)
+    d_out, d_in = _check_int8_weight(weight)
     scale = _check_scale(scale, d_out)
     x = _check_x(x, d_in)
     v, t = _variant_index(variant), _threads(threads)
     x2 = x.reshape(-1, d_in)
     m = x2.shape[0]
-    if path is None and TUNE and _X86 and not _AMX and m > FUSED_MAX_M:
+    if _tunes(path, m):
         key = ("int8", v, t, m.bit_length(), d_in.bit_length(), d_out.bit_length())
         return _tuned_path(key, lambda p: int8_matmul(x, weight, scale, variant, threads, p), ("fused", "torch"))[1]
     y = torch.empty(m, d_out, dtype=torch.float32)
@@ -564,26 +591,28 @@ class S3D8Linear(torch.nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._buffers                 # not self.packed etc.: nn.Module's attribute lookup costs ~1 us each
+        if _plain_tokens(x, self.shape[1]) and _hot(b["packed"], torch.uint8, b["scale"]):
+            y = _fused(lib.s3d8_linear_s3d8_at, _variant_index(None), _threads(None), x, b["packed"], b["table"],
+                       b["scale"], self.shape, "s3d8_matmul")
+            if b["bias"] is not None:
+                y += b["bias"]
+            return y
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"x: expected a floating-point tensor, got "
                              f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-        dtype = x.dtype
-        if _plain_tokens(x, self.shape[1]) and _hot(self.packed, self.scale):
-            y = _fused(lib.s3d8_linear_s3d8_at, _variant_index(None), _threads(None), x, self.packed, self.table,
-                       self.scale, self.shape, "s3d8_matmul")
-        else:
-            y = s3d8_matmul(x.float().contiguous(), self.packed, self.scale, self.table, self.shape)
-        if self.bias is not None:
-            y += self.bias
-        return y.to(dtype)
+        y = s3d8_matmul(x.float().contiguous(), b["packed"], b["scale"], b["table"], self.shape)
+        if b["bias"] is not None:
+            y += b["bias"]
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"d_in={self.shape[1]}, d_out={self.shape[0]}, variant={variant()}"
 
 
-def _hot(weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
-    """A module's buffers as construction checked them (still on the CPU, the scale still bf16)."""
-    return weight.device.type == "cpu" and (scale is None or scale.dtype == torch.bfloat16)
+def _hot(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> bool:
+    """A module's buffers as construction checked them (still on the CPU in their dtypes, the scale bf16)."""
+    return weight.is_cpu and weight.dtype == dtype and (scale is None or scale.dtype == torch.bfloat16)
 
 
 class Int8Linear(torch.nn.Module):
@@ -593,18 +622,17 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         weight = _check(weight, "weight", torch.int8, (2,))
-        d_out, d_in = _check_shape(weight.shape, "weight")
-        _check_k(d_in, "weight", K_MAX_INT8_FULL)
+        d_out, d_in = _check_int8_weight(weight)
         self.register_buffer("weight", weight)
         self.register_buffer("scale", _check_scale(scale, d_out))
         self.out_features, self.in_features = d_out, d_in
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (self.out_features, self.in_features)
-        if _plain_tokens(x, self.in_features) and _hot(self.weight, self.scale):
-            return _fused(_qsi8_at, _variant_index(None), _threads(None), x, self.weight, None, self.scale, shape,
-                          "int8_matmul")
-        return int8_matmul(x.float().contiguous(), self.weight, self.scale).to(x.dtype)
+        b = self._buffers
+        if _plain_tokens(x, self.in_features) and _hot(b["weight"], torch.int8, b["scale"]):
+            return _fused(_qsi8_at, _variant_index(None), _threads(None), x, b["weight"], None, b["scale"],
+                          (self.out_features, self.in_features), "int8_matmul")
+        return int8_matmul(x.float().contiguous(), b["weight"], b["scale"]).to(x.dtype)
 
 
 class Bf16Linear(torch.nn.Module):
@@ -618,6 +646,7 @@ class Bf16Linear(torch.nn.Module):
         self.out_features, self.in_features = _check_shape(weight.shape, "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _plain_tokens(x, self.in_features) and _hot(self.weight, None) and self.weight.dtype == torch.bfloat16:
-            return _bf16(_variant_index(None), _threads(None), x, self.weight)
-        return bf16_matmul(x.float().contiguous(), self.weight).to(x.dtype)
+        w = self._buffers["weight"]
+        if _plain_tokens(x, self.in_features) and _hot(w, torch.bfloat16, None):
+            return _bf16(_variant_index(None), _threads(None), x, w)
+        return bf16_matmul(x.float().contiguous(), w).to(x.dtype)

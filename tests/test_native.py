@@ -390,6 +390,9 @@ def test_k_at_the_bound_is_exact_and_beyond_refused(variant):
     w8 = torch.full((3, k8 + 1), -128, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"weight \(holds -128\): d_in = 132,?105 exceeds 132,104"):
         native.int8_matmul(x[:, :k8 + 1].contiguous(), w8, scale, variant=variant)
+    with pytest.raises(ValueError, match=r"weight \(holds -128\): d_in = 132,?105 exceeds 132,104"):
+        native.Int8Linear(w8, scale)
+    assert native.Int8Linear(torch.zeros(3, k8 + 1, dtype=torch.int8), scale).in_features == k8 + 1  # no -128
     # one more input than K_MAX: refused before C
     x1 = torch.zeros(1, k + 1)
     with pytest.raises(ValueError, match="shape: d_in = 133145 exceeds 133,144"):
@@ -537,13 +540,33 @@ def test_encode_row_with_a_tiny_absmax(variant):
     assert decoded[3].abs().max() <= 127 * 2.0 ** -126
 
 
+def test_no_torch_int_mm_without_vnni(monkeypatch):
+    """Without VNNI or AMX (torch._int_mm then runs a generic ~1 GMAC/s path) the library's kernels take every
+    size: no tuning, and the fixed rule never picks torch, however many tokens or inputs."""
+    monkeypatch.setattr(native, "_INT_MM_FAST", False)
+    monkeypatch.setattr(native, "_AMX", False)
+    monkeypatch.setattr(native, "TUNE", True)
+    monkeypatch.setattr(native, "_tuned", {})
+    assert native._choose_path(None, 4 * native.TORCH_MIN_M, 2 * native.TORCH_MIN_K) == "tiled"
+    assert native._choose_path(None, 1, 64) == "fused"
+    shape = (96, 160)
+    _, packed, scale, table = random_s3d8(*shape)
+    w_int8 = s3d8.decode_int8(packed, table, shape).contiguous()
+    x = activations(40, shape[1], seed=3)
+    xq, x_scale = int8_activations(x)
+    expected = int8_matmul_reference(xq, x_scale, w_int8, scale)
+    assert torch.equal(native.s3d8_matmul(x, packed, scale, table, shape), expected)
+    assert torch.equal(native.int8_matmul(x, w_int8, scale), expected)
+    assert native._tuned == {}
+
+
 @pytest.mark.parametrize("op", ["s3d8", "int8"])
 def test_path_tuning_changes_speed_not_bits(monkeypatch, op):
-    """Above FUSED_MAX_M tokens (x86 without AMX) the first product of a size class times the library's INT8 GEMM
+    """Above FUSED_MAX_M tokens (VNNI without AMX) the first product of a size class times the library's INT8 GEMM
     (s3d8_matmul: tiled; int8_matmul: fused) and torch's and keeps the faster; both give the reference's bits, so
-    whichever wins, the result is the same."""
-    if not (native._X86 and not native._AMX):
-        pytest.skip("path tuning runs on x86 without AMX")
+    whichever wins, the result is the same. (Run on any CPU: torch._int_mm is slow without VNNI, not wrong.)"""
+    monkeypatch.setattr(native, "_INT_MM_FAST", True)
+    monkeypatch.setattr(native, "_AMX", False)
     monkeypatch.setattr(native, "TUNE", True)
     monkeypatch.setattr(native, "_tuned", {})
     shape = (96, 160)
