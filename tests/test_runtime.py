@@ -58,6 +58,19 @@ def test_lean_llama_equals_hf_llama_on_the_same_kernels(synth, fmt):
     assert one.decode_tokens_per_s > 0 and one.prefill_tokens_per_s > 0
 
 
+@pytest.mark.parametrize("fmt", ["s3d8", "int8", "bf16"])
+def test_lean_decode_step_is_the_general_path_bit_for_bit(synth, fmt):
+    """The single-token step (fewer torch calls) gives the general path's logits and KV cache exactly."""
+    ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))
+    a, b = runtime.LeanLlama(synth[fmt], 16), runtime.LeanLlama(synth[fmt], 16)
+    for m in (a, b):
+        m.forward(ids[:6], 0)
+    for pos in range(6, 9):
+        got, want = a.forward(ids[pos:pos + 1], pos), b.forward(ids[pos:pos + 1], pos, step=False)
+        assert torch.equal(got, want), (fmt, pos)
+    assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
+
+
 def test_s3d8_lean_llama_equals_the_torch_fake_quant_reference(synth):
     """The lean decoder on native kernels vs HF Llama with decoded weights and fake-quantised INT8
     activations (the QAT forward): the same greedy tokens."""
