@@ -540,23 +540,28 @@ def test_encode_row_with_a_tiny_absmax(variant):
     assert decoded[3].abs().max() <= 127 * 2.0 ** -126
 
 
-def test_no_torch_int_mm_without_vnni(monkeypatch):
-    """Without VNNI or AMX (torch._int_mm then runs a generic ~1 GMAC/s path) the library's kernels take every
-    size: no tuning, and the fixed rule never picks torch, however many tokens or inputs."""
-    monkeypatch.setattr(native, "_INT_MM_FAST", False)
+def _tuning_case(monkeypatch, int_mm_fast: bool):
+    """A product above FUSED_MAX_M tokens, tuning on, torch._int_mm fast or not: ``(s3d8 run, int8 run, expected)``."""
+    monkeypatch.setattr(native, "_INT_MM_FAST", int_mm_fast)
     monkeypatch.setattr(native, "_AMX", False)
     monkeypatch.setattr(native, "TUNE", True)
     monkeypatch.setattr(native, "_tuned", {})
-    assert native._choose_path(None, 4 * native.TORCH_MIN_M, 2 * native.TORCH_MIN_K) == "tiled"
-    assert native._choose_path(None, 1, 64) == "fused"
     shape = (96, 160)
     _, packed, scale, table = random_s3d8(*shape)
     w_int8 = s3d8.decode_int8(packed, table, shape).contiguous()
     x = activations(40, shape[1], seed=3)
     xq, x_scale = int8_activations(x)
-    expected = int8_matmul_reference(xq, x_scale, w_int8, scale)
-    assert torch.equal(native.s3d8_matmul(x, packed, scale, table, shape), expected)
-    assert torch.equal(native.int8_matmul(x, w_int8, scale), expected)
+    return (lambda: native.s3d8_matmul(x, packed, scale, table, shape),
+            lambda: native.int8_matmul(x, w_int8, scale), int8_matmul_reference(xq, x_scale, w_int8, scale))
+
+
+def test_no_torch_int_mm_without_vnni(monkeypatch):
+    """Without VNNI or AMX (torch._int_mm then runs a generic ~1 GMAC/s path) the library's kernels take every
+    size: no tuning, and the fixed rule never picks torch, however many tokens or inputs."""
+    run_s3d8, run_int8, expected = _tuning_case(monkeypatch, int_mm_fast=False)
+    assert native._choose_path(None, 4 * native.TORCH_MIN_M, 2 * native.TORCH_MIN_K) == "tiled"
+    assert native._choose_path(None, 1, 64) == "fused"
+    assert torch.equal(run_s3d8(), expected) and torch.equal(run_int8(), expected)
     assert native._tuned == {}
 
 
@@ -565,18 +570,8 @@ def test_path_tuning_changes_speed_not_bits(monkeypatch, op):
     """Above FUSED_MAX_M tokens (VNNI without AMX) the first product of a size class times the library's INT8 GEMM
     (s3d8_matmul: tiled; int8_matmul: fused) and torch's and keeps the faster; both give the reference's bits, so
     whichever wins, the result is the same. (Run on any CPU: torch._int_mm is slow without VNNI, not wrong.)"""
-    monkeypatch.setattr(native, "_INT_MM_FAST", True)
-    monkeypatch.setattr(native, "_AMX", False)
-    monkeypatch.setattr(native, "TUNE", True)
-    monkeypatch.setattr(native, "_tuned", {})
-    shape = (96, 160)
-    _, packed, scale, table = random_s3d8(*shape)
-    w_int8 = s3d8.decode_int8(packed, table, shape).contiguous()
-    x = activations(40, shape[1], seed=3)
-    xq, x_scale = int8_activations(x)
-    expected = int8_matmul_reference(xq, x_scale, w_int8, scale)
-    run = (lambda: native.s3d8_matmul(x, packed, scale, table, shape)) if op == "s3d8" else \
-        (lambda: native.int8_matmul(x, w_int8, scale))
+    run_s3d8, run_int8, expected = _tuning_case(monkeypatch, int_mm_fast=True)
+    run = run_s3d8 if op == "s3d8" else run_int8
     assert torch.equal(run(), expected)
     assert list(native._tuned.values())[0] in (("tiled", "torch") if op == "s3d8" else ("fused", "torch"))
     assert (list(native._tuned)[0][0] == "int8") == (op == "int8") and len(native._tuned) == 1
