@@ -17,8 +17,8 @@ Generation, greedy or sampled (temperature, top-k, top-p, seeded), with a KV cac
   float32 KV cache, RoPE tables, ``scaled_dot_product_attention`` with GQA for a prompt and two batched
   products for a decode token, logits of the last position only); for Mllama files a minimal loop over the HF
   model and its cache (``logits_to_keep=1``, no processors). ``pipeline/bench/generate.py`` measures both
-  (``reports/bench_generate.md``): the lean loop is faster on the synthetic 3B, equal on the 1B and within the
-  run-to-run noise on the overhead-bound toy, so it is the default.
+  (``reports/bench_generate.md``): the lean loop is faster on the synthetic 3B, equal (1 thread) or faster (2)
+  on the 1B and within the run-to-run noise on the overhead-bound toy, so it is the default.
 
 ``python -m pipeline.runtime MODEL_DIR --prompt "..." [--image PATH] [--max-new-tokens N] [--threads N]`` (a packed
 model directory, or its ``model.safetensors``)
