@@ -253,11 +253,10 @@ class LeanLlama:
         self.v_cache = torch.zeros_like(self.k_cache)
         pos = torch.arange(max_len, dtype=torch.float32)
         emb = torch.cat([pos[:, None] * self.inv_freq[None]] * 2, dim=-1)
-        self.cos, self.sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
-        # the decode step's RoPE: rotate_half(x) * sin == roll(x, hd / 2) * sin with its first half negated
-        # (exact: a negation moves from x to sin), one roll instead of two slices, a negation and a cat
         half = self.hd // 2
-        self.sin_rolled = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        sin = emb.sin() * self.rope_scaling
+        self.cos = emb.cos() * self.rope_scaling
+        self.sin_rolled = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)   # see _rope
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -267,10 +266,18 @@ class LeanLlama:
         var = x.pow(2).mean(-1, keepdim=True)
         return w * (x * torch.rsqrt(var + self.eps))
 
-    def _rope(self, x, cos, sin):      # x [1, h, T, hd]
-        half = self.hd // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+    def _rope(self, x, cos, sin_rolled):      # x [..., hd]
+        """HF's ``x * cos + rotate_half(x) * sin`` as ``x * cos + roll(x, hd / 2) * sin_rolled``, ``sin`` with its
+        first half negated: exact (the negation moves from x to sin), one roll instead of slices, a negation and a
+        cat."""
+        return x * cos + x.roll(self.hd // 2, -1) * sin_rolled
+
+    def _attend_one(self, q: torch.Tensor, i: int, end: int) -> torch.Tensor:
+        """Attention of a single decode token (``q`` [kv heads, q heads per kv head, hd]) over layer ``i``'s cache
+        up to ``end``: two small batched products, some 2x faster than SDPA's kernel here."""
+        kc, vc = self.k_cache[i, 0].narrow(1, 0, end), self.v_cache[i, 0].narrow(1, 0, end)
+        s = torch.bmm(q, kc.transpose(1, 2)) * self.hd ** -0.5
+        return torch.bmm(torch.softmax(s, -1), vc).view(1, self.nh * self.hd)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, *, step: bool = True) -> torch.Tensor:
@@ -282,7 +289,7 @@ class LeanLlama:
         if t == 1 and step:
             return self._step(ids.reshape(1), pos)
         x = self.embed(ids.reshape(-1)).float()                         # [T, h]
-        cos, sin = self.cos[pos:pos + t], self.sin[pos:pos + t]
+        cos, sin = self.cos[pos:pos + t], self.sin_rolled[pos:pos + t]
         end = pos + t
         mask = None
         if t > 1 and pos > 0:
@@ -295,10 +302,8 @@ class LeanLlama:
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             self.k_cache[i, :, :, pos:end] = k
             self.v_cache[i, :, :, pos:end] = v
-            if t == 1:       # a decode step: two small batched products, some 2x faster than SDPA's kernel here
-                s = torch.bmm(q.view(self.nkv, self.nh // self.nkv, self.hd),
-                              self.k_cache[i, 0, :, :end].transpose(1, 2)) * self.hd ** -0.5
-                a = torch.bmm(torch.softmax(s, -1), self.v_cache[i, 0, :, :end]).view(1, self.nh * self.hd)
+            if t == 1:
+                a = self._attend_one(q.view(self.nkv, self.nh // self.nkv, self.hd), i, end)
             else:
                 a = F.scaled_dot_product_attention(q, self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end],
                                                    attn_mask=mask, is_causal=pos == 0, enable_gqa=True)
@@ -319,13 +324,10 @@ class LeanLlama:
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
             qk = torch.cat((L["q"].forward(h), L["k"].forward(h)), dim=-1).view(nh + nkv, hd)
-            qk = qk * cos + qk.roll(hd // 2, -1) * sin
-            kc, vc = self.k_cache[i, 0], self.v_cache[i, 0]             # [nkv, max_len, hd]
-            kc.select(1, pos).copy_(qk[nh:])
-            vc.select(1, pos).copy_(L["v"].forward(h).view(nkv, hd))
-            s = torch.bmm(qk[:nh].view(nkv, nh // nkv, hd), kc.narrow(1, 0, end).transpose(1, 2)) * hd ** -0.5
-            a = torch.bmm(torch.softmax(s, -1), vc.narrow(1, 0, end)).view(1, nh * hd)
-            x = x + L["o"].forward(a)
+            qk = self._rope(qk, cos, sin)
+            self.k_cache[i, 0].select(1, pos).copy_(qk[nh:])
+            self.v_cache[i, 0].select(1, pos).copy_(L["v"].forward(h).view(nkv, hd))
+            x = x + L["o"].forward(self._attend_one(qk[:nh].view(nkv, nh // nkv, hd), i, end))
             h = self._rms(x, L["ln2"])
             x = x + L["down"].forward(F.silu(L["gate"].forward(h), inplace=True).mul_(L["up"].forward(h)))
         return self.lm_head.forward(self._rms(x, self.norm))[0]
