@@ -199,6 +199,34 @@ def test_fsdp2_refuses_a_model_that_is_not_mllama():
         sharding_units(nn.Sequential(nn.Linear(2, 2)))
 
 
+def test_training_leaves_the_process_group_it_formed_also_on_error():
+    """A gloo group left to interpreter exit once aborted a stage (exit -6) after its clean error message."""
+    import torch.distributed as dist
+
+    from pipeline.qat.distributed import init_process_group
+    from pipeline.qat.train import _leaves_process_group
+
+    @_leaves_process_group
+    def run(fail: bool):
+        init_process_group("gloo")
+        assert dist.is_initialized()
+        if fail:
+            raise ValueError("bad input")
+
+    assert not dist.is_initialized()
+    run(False)
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="bad input"):
+        run(True)
+    assert not dist.is_initialized()
+    init_process_group("gloo")                   # a group the caller formed stays
+    try:
+        run(False)
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_planted_pickle_in_a_sharded_checkpoint_never_runs(tmp_path):
     from pipeline.qat.distributed import _MetadataUnpickler
     marker = tmp_path / "pwned"
