@@ -43,4 +43,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:                 # leave the group accelerate formed under a launcher here, not in the interpreter's exit
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
