@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from pipeline.params import ParamsError, from_dict, load_yaml, non_negative, positive
 
@@ -108,6 +108,21 @@ def command(script: str, args: list[str], p: LaunchParams) -> list[str]:
     return [*run, "--nnodes", str(topo.num_machines), "--node-rank", str(rank),
             "--nproc-per-node", str(processes // topo.num_machines), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{topo.main_address}:{topo.main_port}", "--rdzv-id", topo.rdzv_id, script, *args]
+
+
+def run_stage(main: Callable[[], object]) -> None:
+    """Run a launched stage script's ``main``, then leave the process group it formed (through ``accelerate``
+    or ``pipeline.qat.distributed``), on return and on error alike: accelerate's ``end_training`` convention.
+    A gloo group left to the interpreter's exit once aborted a stage (``terminate called without an active
+    exception``, exit code -6) right after it had printed a clean error that should have exited with 1.
+    A group that was formed before the call is left alone."""
+    import torch.distributed as dist
+    owned = not dist.is_initialized()
+    try:
+        main()
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,7 @@ import pipeline.toy  # noqa: F401  (registers the toy tasks and image pool)
 from pipeline import params
 from pipeline.eval.suite import EvalParams, run
 from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.launch import run_stage
 from pipeline.report import plot_scores, scores_csv, summary_markdown
 from pipeline.stage import console, run_log, set_threads, stage_errors
 from pipeline.teacher import TeacherParams
@@ -53,9 +54,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:                 # leave the group accelerate formed under a launcher here, not in the interpreter's exit
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_stage(main)

@@ -20,6 +20,7 @@ from pipeline import formats, params, ptq
 from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.fit import check_states
 from pipeline.io import write_json
+from pipeline.launch import run_stage
 from pipeline.models import load_config, token_ids
 from pipeline.packed import PackParams
 from pipeline.qat.data import load_examples, split_heldout
@@ -74,4 +75,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

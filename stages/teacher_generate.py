@@ -18,6 +18,7 @@ import pipeline.toy  # noqa: F401  (the `toy` image pool the sampled prompts ref
 from pipeline import params
 from pipeline.generate import GenerateParams, run
 from pipeline.io import write_json
+from pipeline.launch import run_stage
 from pipeline.stage import console, run_log, set_threads, stage_errors
 from pipeline.teacher import TeacherParams
 
@@ -43,9 +44,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:                 # leave the group accelerate formed under a launcher here, not in the interpreter's exit
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_stage(main)

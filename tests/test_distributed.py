@@ -199,24 +199,26 @@ def test_fsdp2_refuses_a_model_that_is_not_mllama():
         sharding_units(nn.Sequential(nn.Linear(2, 2)))
 
 
-def test_training_leaves_the_process_group_it_formed_also_on_error():
+def test_a_stage_leaves_the_process_group_it_formed_also_on_error():
     """A gloo group left to interpreter exit once aborted a stage (exit -6) after its clean error message."""
     import torch.distributed as dist
 
+    from pipeline.launch import run_stage
     from pipeline.qat.distributed import init_process_group
-    from pipeline.qat.train import _leaves_process_group
 
-    @_leaves_process_group
-    def run(fail: bool):
+    def main(fail: bool):
         init_process_group("gloo")
         assert dist.is_initialized()
         if fail:
-            raise ValueError("bad input")
+            raise SystemExit(1)
+
+    def run(fail: bool):
+        run_stage(lambda: main(fail))
 
     assert not dist.is_initialized()
     run(False)
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match="bad input"):
+    with pytest.raises(SystemExit):
         run(True)
     assert not dist.is_initialized()
     init_process_group("gloo")                   # a group the caller formed stays

@@ -17,7 +17,6 @@ written for other parameters or data, is reported and training starts afresh.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -108,22 +107,6 @@ def check(p: QATParams, examples: list[Example], processes: int) -> int:
     return p.batch_size // (p.grad_accum * processes)
 
 
-def _leaves_process_group(fn):
-    """``fn``, then leave the process group it formed, so that its threads stop there, not in the interpreter's
-    exit: a gloo group left to the exit once aborted a stage (``terminate called without an active exception``,
-    exit code -6) right after it had printed a clean error that should have exited with 1."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        owned = not torch.distributed.is_initialized()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if owned and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-    return wrapper
-
-
-@_leaves_process_group
 def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str, examples: list[Example],
           p: QATParams, out_dir: str | Path, checkpoint: str | Path, live_dir: str | Path, fingerprint: str,
           launch: LaunchParams | None = None, start: Start | None = None,
