@@ -114,3 +114,26 @@ def test_generate_benchmark_writes_its_report_atomically(tmp_path, monkeypatch):
     md = (out / "bench_generate.md").read_text()
     assert "| toy | s3d8 | lean | 1 |" in md and "overhead-bound" in md
     assert sorted(p.name for p in out.iterdir()) == ["bench_generate.json", "bench_generate.md", "bench_generate.png"]
+
+
+def test_generate_goals_compare_llama_cpp_at_the_same_bits():
+    """The 1.3x goal is against llama.cpp's fastest type at <= 3.5 bits per weight; a type with its token
+    embedding lowered (``X+embd:Y``, llama-quantize's --token-embedding-type) counts by its own file size."""
+    from pipeline.bench import generate
+
+    assert generate.llama_cpp_type("Q2_K") == ("Q2_K", None, "Q2_K")
+    assert generate.llama_cpp_type("IQ3_S+embd:IQ3_S") == ("IQ3_S", "IQ3_S", "IQ3_S-embd-IQ3_S")
+
+    def rec(fmt, impl, tps, bits):
+        return {"model": "synthetic-1b", "format": fmt, "impl": impl, "threads": 1, "decode_tokens_per_s": tps,
+                "bits_per_weight": bits, "weight_bytes": 4e8, "kv_cache_bytes": 0, "peak_rss_mb": 500}
+
+    data = {"read_bandwidth_gb_s": 10.0, "threads": [1], "records": [
+        rec("s3d8", "lean", 13.0, 2.68), rec("int8", "lean", 6.0, 8.0), rec("bf16", "lean", 3.0, 16.0),
+        rec("Q2_K", "llama.cpp", 12.0, 3.73), rec("Q2_K+embd:Q2_K", "llama.cpp", 10.0, 3.1),
+        rec("IQ3_S+embd:IQ3_S", "llama.cpp", 8.0, 3.45)]}
+    [line] = generate.analyse(data)
+    assert "1.30x llama.cpp's best at <= 3.5 bits (Q2_K+embd:Q2_K, 10.00 tokens/s; goal >= 1.3x: met)" in line
+    data["records"] = data["records"][:4]
+    [line] = generate.analyse(data)
+    assert "no llama.cpp type at <= 3.5 bits/weight here; its lowest, Q2_K at 3.73 bits" in line

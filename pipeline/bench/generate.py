@@ -37,7 +37,12 @@ from pipeline.io import atomic_path, write_json, write_text
 ROOT = Path(__file__).resolve().parents[2]
 SYNTH_DIR = ROOT / "models" / "synthetic"
 TOY_PACKED = SYNTH_DIR / "toy" / "s3d8.safetensors"
-LLAMA_CPP_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q3_K_S", "Q2_K")
+# llama.cpp's types by its ftype names. llama.cpp keeps the token embedding (which the tied models also use as
+# their output head) at 6 bits in its low-bit types, which puts a 1B's Q2_K file at 3.7 bits per weight;
+# "X+embd:Y" is type X with the token embedding at Y (llama-quantize's --token-embedding-type), so that the whole
+# file is near X's bits, as S3D8's is. The i-quants below 3 bits need an importance matrix, which
+# llama-cpp-python cannot make (llama.cpp's imatrix tool is not in it), so IQ3_S is the lowest one here.
+LLAMA_CPP_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q3_K_S", "Q2_K", "Q2_K+embd:Q2_K", "IQ3_S+embd:IQ3_S")
 GOALS = {"s3d8_vs_int8": 2.0, "s3d8_vs_bf16": 4.0, "s3d8_vs_llama_cpp_le_3_5_bits": 1.3,
          "bandwidth_fraction": 0.8, "rss_factor": 1.2, "rss_slack_mb": 300}
 
@@ -75,24 +80,33 @@ def model_file(model: str, fmt: str) -> Path:
     return path
 
 
+def llama_cpp_type(name: str) -> tuple[str, str | None, str]:
+    """An entry of ``LLAMA_CPP_TYPES``: (ftype, token-embedding type or None, file stem)."""
+    ftype, _, embd = name.partition("+embd:")
+    return ftype, embd or None, f"{ftype}-embd-{embd}" if embd else ftype
+
+
 def gguf_file(model: str, qtype: str, threads: int = 2) -> Path:
-    """``models/synthetic/<model>/<qtype>.gguf``: bf16 GGUF from the synthetic bf16 file, then llama.cpp's
-    quantizer."""
+    """``models/synthetic/<model>/<stem>.gguf``: bf16 GGUF from the synthetic bf16 file, then llama.cpp's
+    quantizer (``qtype`` as in ``LLAMA_CPP_TYPES``)."""
     import ctypes
 
     import llama_cpp
     from pipeline.synthetic import write_gguf
 
+    ftype, embd, stem = llama_cpp_type(qtype)
     folder = SYNTH_DIR / model
     src = folder / "bf16.gguf"
     if not src.exists():
         write_gguf(model_file(model, "bf16"), src)
-    out = folder / f"{qtype}.gguf"
+    out = folder / f"{stem}.gguf"
     if not out.exists():
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        if embd:
+            params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{embd}")
         params.nthread = threads
-        tmp = folder / f".{qtype}.gguf.tmp"
+        tmp = folder / f".{stem}.gguf.tmp"
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize {qtype}: status {rc}")
