@@ -3,7 +3,8 @@
     python stages/eval.py
     python -m pipeline.launch stages/eval.py      # what dvc.yaml runs: launch.num_processes ranks share the models
 
-Writes ``reports/eval.json`` (per model: format, method, bpp, size_mb, kl, scores per task, avg),
+Writes ``reports/eval.json`` (per model: format, method, bpp, size_mb, kl, scores per task as lmms-eval scores the
+generations, avg; beside them ``scores_cleaned``: per model and task, ChartQA's answer cleaned up),
 ``reports/eval_scores.csv`` (score per task and model, for ``dvc plots``), ``reports/summary.md`` (the
 paper's table with our numbers), ``reports/eval_plot.png`` and per-example answers in
 ``reports/answers/<model>.parquet``.

@@ -105,12 +105,15 @@ def test_relaxed_correctness_is_pix2structs(prediction, target):
     assert relaxed_correctness(prediction, target) is False
 
 
-def test_relaxed_accuracy_strips_the_prediction_only():
-    # lmms-eval strips every generation, never the label
-    assert relaxed_accuracy("  red\n", ["red"]) == 1.0
-    assert relaxed_accuracy(" 10 ", ["10.4"]) == 1.0
+def test_relaxed_accuracy_strips_nothing():
+    # lmms-eval's relaxed_correctness strips neither side (its harness strips the generation before: tasks.score)
+    assert relaxed_accuracy("  red\n", ["red"]) == 0.0
+    assert relaxed_accuracy("red", ["red"]) == 1.0
     assert relaxed_accuracy("red", ["red "]) == 0.0
-    assert relaxed_accuracy("10", [" 10 "]) == 1.0  # float() reads " 10 "
+    assert relaxed_accuracy(" 10 ", ["10.4"]) == 1.0  # float() reads " 10 "
+    assert relaxed_accuracy("10", [" 10 "]) == 1.0
+    assert relaxed_accuracy(" 45%", ["0.45"]) == 1.0
+    assert relaxed_accuracy("45% ", ["0.45"]) == 0.0  # not read as a percentage: "45% " does not end with "%"
 
 
 def test_relaxed_accuracy_takes_any_label():
@@ -142,6 +145,12 @@ def test_levenshtein():
         ("straße", ["STRASSE"], 1 - 2 / 7),  # len("straße".upper()) == 7
         ("", [""], 1.0),
         ("", ["a"], 0.0),
+        # the length is over the raw strings, whitespace included, on both sides (as lmms-eval's anls)
+        ("ca  ", ["cat"], 0.75),  # distance 1 ("ca" to "cat") over length 4
+        ("\t\tca", ["cat"], 0.75),
+        ("ab\n", ["abcd"], 0.5),
+        ("ab", ["abcd  "], 1 - 2 / 6),
+        ("  ", ["a"], 0.5),  # distance 1 over length 2
     ],
 )
 def test_anls(prediction, refs, expected):

@@ -72,3 +72,37 @@ def test_bf16_model_gets_bf16_pixels(model_and_processor):
     bf16 = M.build_model(model.config, seed=0).to(torch.bfloat16).eval()
     result = evaluate(bf16, proc, {"toy-ai2d": load_toy("toy-ai2d", 2)}, max_new_tokens={"toy-ai2d": 1})
     assert result.examples.num_rows == 2
+
+
+def test_responses_are_decoded_as_lmms_evals_llama_vision_wrapper_decodes_them(model_and_processor):
+    """lmms-eval's ``llama_vision`` model: chat template with the image first, the processor without special
+    tokens, greedy ``generate`` one example at a time, ``processor.decode(..., skip_special_tokens=True)`` of the
+    new tokens, nothing stripped. Our batched responses are those strings, whitespace included."""
+    model, proc = model_and_processor
+    items = load_toy("toy-vqa", 4) + load_toy("toy-ai2d", 4)
+    ours = generate(model, proc, [e.image for e in items], [e.prompt for e in items], max_new_tokens=6, batch_size=3)
+    theirs = []
+    for e in items:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": e.prompt}]}]
+        prompt = proc.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = proc([e.image.convert("RGB")], prompt, add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+        theirs.append(proc.decode(output[0, inputs["input_ids"].shape[-1]:], skip_special_tokens=True))
+    assert ours == theirs
+    assert any(r != r.strip() for r in ours)  # the case that matters: whitespace the decoder produced
+
+
+def test_scores_are_lmms_evals_on_the_raw_response_and_the_cleaned_variant_is_beside(model_and_processor):
+    model, proc = model_and_processor
+    examples = {name: load_toy(name, 3) for name in tasks.TOY_TASKS}
+    result = evaluate(model, proc, examples, batch_size=3, max_new_tokens={name: 6 for name in tasks.TOY_TASKS})
+    rows = result.examples.to_pylist()
+    assert any(r["response"] != r["response"].strip() for r in rows)  # stored as decoded
+    for r in rows:
+        if r["task"] in ("toy-vqa", "toy-docvqa"):
+            assert r["answer"] == r["response"].strip()  # lmms-eval's harness strip, then the metric
+        assert r["score_cleaned"] == r["score"] or r["task"] == "toy-chartqa"
+    assert set(result.scores_cleaned) == set(result.scores)
+    summary = result.summary()
+    assert summary["scores"] == result.scores and summary["scores_cleaned"] == result.scores_cleaned

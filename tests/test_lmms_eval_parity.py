@@ -1,9 +1,16 @@
 """Our four metrics against lmms-eval's own scoring code, bit for bit, on the same generations.
 
-lmms-eval is the harness the field reports VLM numbers with. Each reference score below goes through lmms-eval's
-code path for one generation: its filters (AI2D), ``ConfigurableTask.process_results`` (which strips every
-generation, then calls the task's ``process_results`` or its registered metric with the task YAML's keyword
-arguments) and the metric itself. Needs lmms-eval installed without its dependencies:
+lmms-eval is the harness the field reports VLM numbers with. Two levels are compared:
+
+- a raw generation (as lmms-eval's Llama 3.2 Vision wrapper decodes it: nothing stripped) scored by
+  ``tasks.score`` against lmms-eval's code path for one generation: its filters (AI2D), then
+  ``ConfigurableTask.process_results`` (which strips every generation, then calls the task's
+  ``process_results`` or its registered metric with the task YAML's keyword arguments) and the metric itself;
+- each metric function (``vqa_accuracy``, ``relaxed_accuracy``, ``anls``, ``choice_index``) against lmms-eval's
+  own function on exactly the same text, whitespace included (leading and trailing spaces, newlines, tabs on
+  both the prediction and the references): nothing is stripped that lmms-eval's function does not strip.
+
+Needs lmms-eval installed without its dependencies:
 
     .venv/bin/pip install --no-deps -r requirements-lmms.txt
 """
@@ -30,8 +37,11 @@ try:
 except ImportError as e:  # CI installs it; a plain checkout need not
     pytest.skip(f"lmms-eval is not importable ({e}); install it with: {INSTALL}", allow_module_level=True)
 
-from pipeline.eval.extract import choice_index, short_answer
+from pipeline.eval import extract
+from pipeline.eval.extract import choice_index
 from pipeline.eval.metrics import anls, multiple_choice_accuracy, relaxed_accuracy, vqa_accuracy
+from pipeline.eval.prompts import option_letter
+from pipeline.eval.tasks import EvalExample, score
 
 MIN_CASES = 300  # per metric
 
@@ -246,7 +256,36 @@ def ai2d_cases() -> list[tuple[str, list[str]]]:
     return cases
 
 
-# --- the comparisons -------------------------------------------------------------------------------------
+# --- whitespace around predictions and references ----------------------------------------------------------
+
+WHITESPACE = ["", " ", "  ", "\n", "\t", "\n\n", " \n", "\t \n", "\r\n"]
+
+
+def _wrap(rng: random.Random, text: str) -> str:
+    return rng.choice(WHITESPACE) + text + rng.choice(WHITESPACE)
+
+
+def whitespace_cases(cases: list[tuple[str, list]], seed: int, refs_too: bool = True) -> list[tuple[str, list]]:
+    """Every case once more with whitespace before and after the prediction and, with ``refs_too``, around
+    some of its references; at least one side has some."""
+    rng = random.Random(seed)
+    out = []
+    for pred, refs in cases:
+        while True:
+            p = _wrap(rng, pred)
+            r = [_wrap(rng, x) if refs_too and rng.random() < 0.5 else x for x in refs]
+            if (p, r) != (pred, list(refs)):
+                break
+        out.append((p, r))
+    return out
+
+
+def _example(family: str, references=(), options=None, answer_index=None) -> EvalExample:
+    return EvalExample(f"parity-{family}", "0", None, "q", "q", tuple(references),
+                       None if options is None else tuple(options), answer_index)
+
+
+# --- the comparisons: a raw generation scored as lmms-eval's harness scores it -----------------------------
 
 
 def _same(ours: float, theirs: float) -> bool:
@@ -255,10 +294,11 @@ def _same(ours: float, theirs: float) -> bool:
 
 def test_vqav2_accuracy_equals_lmms_eval():
     cases = vqa_cases()
+    cases += whitespace_cases(cases[:150], seed=10)
     assert len(cases) >= MIN_CASES
     bad = []
     for generation, refs in cases:
-        ours, theirs = vqa_accuracy(short_answer(generation), refs), lmms_vqav2(generation, refs)
+        ours, theirs = score("vqa", _example("vqa", refs), generation)[1], lmms_vqav2(generation, refs)
         if not _same(ours, theirs):
             bad.append((generation, refs, ours, theirs))
     assert not bad, bad[:5]
@@ -266,23 +306,30 @@ def test_vqav2_accuracy_equals_lmms_eval():
 
 def test_chartqa_relaxed_accuracy_equals_lmms_eval():
     cases = chartqa_cases()
+    cases += whitespace_cases(cases[:150], seed=11)
+    cases += [("FINAL ANSWER: 10", ["10"]), ("The bar.\nFINAL ANSWER:  red \n", ["red"]),
+              ("final answer:\n\t45%\nmore", ["0.45"]), ("FINAL ANSWER: 10.", ["10"]), ('FINAL ANSWER: "red"', ["red"])]
     assert len(cases) >= MIN_CASES
     bad = []
     for generation, labels in cases:
-        # lmms-eval's ChartQA has one label; with more, the score is the best over labels (Pix2Struct's max)
-        ours, theirs = relaxed_accuracy(generation, labels), max(lmms_chartqa(generation, t) for t in labels)
+        # lmms-eval's harness on the SPEC's answer line (the whole generation without a "FINAL ANSWER:"
+        # marker); lmms-eval's ChartQA has one label, with more the score is the best over labels (Pix2Struct's)
+        answer = extract.final_answer_line(generation)
+        ours = score("chartqa", _example("chartqa", labels), generation)[1]
+        theirs = max(lmms_chartqa(answer, t) for t in labels)
         if not _same(ours, theirs):
             bad.append((generation, labels, ours, theirs))
     assert not bad, bad[:5]
-    assert sum(relaxed_accuracy(g, t) for g, t in cases) > 100  # not all zeros
+    assert sum(score("chartqa", _example("chartqa", t), g)[1] for g, t in cases) > 100  # not all zeros
 
 
 def test_docvqa_anls_equals_lmms_eval():
     cases = docvqa_cases()
+    cases += whitespace_cases(cases[:150], seed=12)
     assert len(cases) >= MIN_CASES
     bad = []
     for generation, answers in cases:
-        ours, theirs = anls(short_answer(generation), answers), lmms_docvqa(generation, answers)
+        ours, theirs = score("docvqa", _example("docvqa", answers), generation)[1], lmms_docvqa(generation, answers)
         if not _same(ours, theirs):
             bad.append((generation, answers, ours, theirs))
     assert not bad, bad[:5]
@@ -291,18 +338,93 @@ def test_docvqa_anls_equals_lmms_eval():
 
 def test_ai2d_accuracy_equals_lmms_eval():
     cases = ai2d_cases()
+    cases += whitespace_cases(cases[:150], seed=13, refs_too=False)
     assert len(cases) >= MIN_CASES
     bad, picked = [], 0
     for generation, options in cases:
-        choice = choice_index(generation, options)
         lmms_scores = [lmms_ai2d(generation, options, k) for k in range(len(options))]
         # the option lmms-eval counts correct, if any (option letters are distinct for up to 26 options)
         assert sum(lmms_scores) <= 1
         lmms_choice = lmms_scores.index(1.0) if 1.0 in lmms_scores else None
+        scored = [score("ai2d", _example("ai2d", [option_letter(k)], options, k), generation)
+                  for k in range(len(options))]
+        letters = {letter for letter, _ in scored}
+        assert len(letters) == 1
+        (letter,) = letters
+        choice = None if letter == "" else ord(letter) - ord("A")
         picked += choice is not None
-        if choice != lmms_choice or any(
-            not _same(multiple_choice_accuracy(choice, k), s) for k, s in enumerate(lmms_scores)
-        ):
+        if choice != lmms_choice or any(not _same(s, t) for (_, s), t in zip(scored, lmms_scores)):
             bad.append((generation, options, choice, lmms_choice))
     assert not bad, bad[:5]
     assert 50 < picked < len(cases) - 50  # both outcomes exercised
+
+
+# --- the comparisons: each metric function against lmms-eval's own function on the same text ---------------
+# No harness strip here: lmms-eval's functions see the text as given, so ours must too (" red" is not "red" to
+# ChartQA's exact match; ANLS divides by the raw lengths; AI2D's exact match keeps the filter's whitespace).
+
+
+def _some_differ(cases, strip_differs) -> None:
+    """The whitespace cases include ones where stripping the prediction would change lmms-eval's score."""
+    assert sum(map(strip_differs, cases)) >= 10
+
+
+def test_vqa_accuracy_is_lmms_evals_function_on_the_same_text():
+    cases = whitespace_cases(vqa_cases(), seed=20)
+    bad = []
+    for pred, refs in cases:
+        answers = [{"answer": r, "answer_confidence": "yes", "answer_id": i + 1} for i, r in enumerate(refs)]
+        theirs = vqav2_utils.vqav2_process_results_val({"question_id": 1, "answers": answers}, [pred])["exact_match"]
+        ours = vqa_accuracy(pred, refs)
+        if not _same(ours, theirs):
+            bad.append((pred, refs, ours, theirs))
+    assert not bad, bad[:5]
+
+
+def test_relaxed_accuracy_is_lmms_evals_function_on_the_same_text():
+    cases = whitespace_cases(chartqa_cases(), seed=21)
+    cases += [(" red", ["red"]), ("red\n", ["red"]), ("\tred", ["red"]), ("red", ["red "]), (" 10 ", ["10.4"]),
+              ("\n10\t", ["10"]), ("10", [" 10\n"]), (" 45%", ["0.45"]), ("45% ", ["0.45"]), (" Yes", ["yes"])]
+    bad = []
+    for pred, labels in cases:
+        theirs = float(any(chartqa_utils.relaxed_correctness(pred, t) for t in labels))
+        ours = relaxed_accuracy(pred, labels)
+        if not _same(ours, theirs):
+            bad.append((pred, labels, ours, theirs))
+    assert not bad, bad[:5]
+    _some_differ(cases, lambda c: any(chartqa_utils.relaxed_correctness(c[0].strip(), t) for t in c[1])
+                 != any(chartqa_utils.relaxed_correctness(c[0], t) for t in c[1]))
+
+
+def test_anls_is_lmms_evals_function_on_the_same_text():
+    cases = whitespace_cases(docvqa_cases(), seed=22)
+    cases += [("ca  ", ["cat"]), ("\tca", ["cat"]), ("cat\n", ["cats"]), ("ab", ["abcd  "]), (" ab\n", ["abcd"]),
+              ("a\tb", ["a b"]), ("  ", ["a"]), ("x", ["\n"])]
+    bad = []
+    for pred, answers in cases:
+        theirs = _lmms_metrics.anls(references=list(answers), predictions=[pred])["anls"]
+        ours = anls(pred, answers)
+        if not _same(ours, theirs):
+            bad.append((pred, answers, ours, theirs))
+    assert not bad, bad[:5]
+    _some_differ(cases, lambda c: _lmms_metrics.anls(references=c[1], predictions=[c[0].strip()])["anls"]
+                 != _lmms_metrics.anls(references=c[1], predictions=[c[0]])["anls"])
+
+
+def test_choice_index_is_lmms_evals_filter_and_exact_match_on_the_same_text():
+    cases = whitespace_cases(ai2d_cases(), seed=23, refs_too=False)
+    cases += [(" B", ["a", "b", "c"]), ("B\n", ["a", "b", "c"]), ("\tB", ["a", "b", "c"]), ("B ", ["a", "b", "c"]),
+              ("\n C. c", ["a", "b", "c"]), (" (A) ", ["a", "b"])]
+    bad = []
+    for response, options in cases:
+        (filtered,) = AI2D_FILTER.apply([[response]], [{"options": options}])
+        metric = METRIC_REGISTRY[_AI2D_METRIC["metric"]]
+        theirs = [metric(predictions=[filtered], references=[option_letter(k)], **AI2D_METRIC_KWARGS)["exact_match"]
+                  for k in range(len(options))]
+        lmms_choice = theirs.index(1.0) if 1.0 in theirs else None
+        ours = choice_index(response, options)
+        if ours != lmms_choice:
+            bad.append((response, options, ours, lmms_choice))
+    assert not bad, bad[:5]
+    strip_choice = lambda c: choice_index(c[0].strip(), c[1])  # noqa: E731
+    _some_differ(cases, lambda c: strip_choice(c) != choice_index(c[0], c[1]))

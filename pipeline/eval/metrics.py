@@ -1,17 +1,21 @@
 """The four benchmark metrics, one function per metric, each scoring one example in [0, 1].
 
-Each equals lmms-eval's scoring of the same generation bit for bit (``tests/test_lmms_eval_parity.py`` checks it
-against lmms-eval's own code, see ``requirements-lmms.txt``), including lmms-eval's ``.strip()`` of every
-generation before scoring:
+Each equals lmms-eval's own function bit for bit on the text it is given, whitespace included: nothing is
+stripped here that lmms-eval's function does not strip. lmms-eval's harness strips every generation before its
+metric (``ConfigurableTask.process_results``); ``tasks.score`` takes that step, in lmms-eval's order, so a
+model's raw generation is scored exactly as lmms-eval scores it. ``tests/test_lmms_eval_parity.py`` checks both
+against lmms-eval's own code (see ``requirements-lmms.txt``):
 
 - VQA accuracy (VQAv2): lmms-eval's ``vqav2_process_results``: EvalAI's answer normalisation (punctuation,
   number words, articles, contractions) on both sides, always, then the mean over the annotators of
   ``min(1, #other annotators giving the answer / 3)`` (``statistics.mean``).
 - Relaxed accuracy (ChartQA): lmms-eval's ``relaxed_correctness`` (from Pix2Struct): a number (``%`` read as a
-  fraction) within 5 % of a non-zero numeric label, otherwise a case-insensitive exact match; the prediction is
-  stripped, the label is not.
+  fraction) within 5 % of a non-zero numeric label, otherwise a case-insensitive exact match; neither side is
+  stripped (Python's ``float`` ignores surrounding whitespace, the exact match does not).
 - ANLS (DocVQA): lmms-eval's ``anls`` (the DocVQA / InfographicVQA server script): ``1 - min`` over references of
-  the normalised Levenshtein distance, 0 when that is below 0.5 (a distance of exactly 0.5 scores 0.5).
+  the normalised Levenshtein distance, 0 when that is below 0.5 (a distance of exactly 0.5 scores 0.5); the
+  distance is between the stripped, lower-cased, whitespace-collapsed strings, the length is the longer of the
+  raw (unstripped) prediction and reference.
 - Multiple-choice accuracy (AI2D): the chosen option index (``extract.choice_index``, lmms-eval's filter and
   exact match) equals the answer index.
 
@@ -103,7 +107,7 @@ def vqa_accuracy(prediction: str, references: Sequence[str]) -> float:
     """
     if not references:
         raise ValueError("vqa_accuracy: no reference answers")
-    pred = normalize_vqa_answer(prediction.strip())
+    pred = normalize_vqa_answer(prediction)
     refs = [normalize_vqa_answer(r) for r in references]
     accs = []
     for i in range(len(refs)):
@@ -135,11 +139,10 @@ def relaxed_correctness(prediction: str, target: str, max_relative_change: float
 
 
 def relaxed_accuracy(prediction: str, references: Sequence[str], max_relative_change: float = 0.05) -> float:
-    """1.0 if the stripped prediction is relaxed-correct against any reference (lmms-eval's ChartQA has one
-    label per question; with one reference this is exactly its score)."""
+    """1.0 if the prediction, as given (not stripped), is relaxed-correct against any reference (lmms-eval's
+    ChartQA has one label per question; with one reference this is exactly its ``relaxed_correctness``)."""
     if not references:
         raise ValueError("relaxed_accuracy: no reference answers")
-    prediction = prediction.strip()
     return float(any(relaxed_correctness(prediction, r, max_relative_change) for r in references))
 
 
@@ -166,11 +169,11 @@ def _anls_normalize(text: str) -> str:
 def anls(prediction: str, references: Sequence[str], threshold: float = 0.5) -> float:
     """Average Normalised Levenshtein Similarity of one answer, as the DocVQA server script and lmms-eval compute
     it: ``1 - min`` over references of ``dist / length``, with ``dist`` between the lower-cased,
-    whitespace-collapsed strings and ``length`` the longer of the two *raw* strings (``len(s.upper())``); a score
-    below ``threshold`` counts 0 (a normalised distance of exactly 0.5 scores 0.5)."""
+    whitespace-collapsed strings and ``length`` the longer of the two *raw* strings (``len(s.upper())``, the
+    prediction as given, not stripped); a score below ``threshold`` counts 0 (a normalised distance of exactly
+    0.5 scores 0.5)."""
     if not references:
         raise ValueError("anls: no reference answers")
-    prediction = prediction.strip()
     pred = _anls_normalize(prediction)
     values = []
     for ref in references:

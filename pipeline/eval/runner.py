@@ -4,9 +4,10 @@ Only the public Hugging Face API is used (chat template, processor call, ``gener
 evaluates the bf16 teacher, a student whose Linear modules were swapped for quantised ones, and the 11B model.
 
     result = evaluate(model, processor, ["toy-vqa", "toy-chartqa", "toy-docvqa", "toy-ai2d"], n=1024)
-    result.scores      # {"toy-vqa": 0.97, ...}
-    result.avg         # mean over tasks
-    result.examples    # pyarrow Table: one row per example (prompt, references, response, answer, score)
+    result.scores          # {"toy-vqa": 0.97, ...}: lmms-eval's scoring of the generations
+    result.avg             # mean over tasks
+    result.scores_cleaned  # the cleaned-up variant beside it (ChartQA's answer cleaned, tasks.score_cleaned)
+    result.examples        # pyarrow Table: one row per example (prompt, references, response, answer, score, ...)
     result.write_examples("reports/eval_examples.parquet")
 """
 
@@ -23,7 +24,7 @@ from PIL import Image
 from transformers import GenerationConfig
 
 from pipeline.chat import chat_prompt
-from pipeline.eval.tasks import DEFAULT_N, EvalExample, family_of, load_task, score
+from pipeline.eval.tasks import DEFAULT_N, EvalExample, family_of, load_task, score, score_cleaned
 from pipeline.io import atomic_path
 
 # Generous caps (generation stops when every sequence in a batch has ended); a broken model pays them.
@@ -36,14 +37,17 @@ class EvalResult:
     scores: dict[str, float]
     examples: pa.Table
     meta: dict = field(default_factory=dict)
+    scores_cleaned: dict[str, float] = field(default_factory=dict)  # beside ``scores``, never instead
 
     @property
     def avg(self) -> float:
         return sum(self.scores.values()) / len(self.scores) if self.scores else float("nan")
 
     def summary(self) -> dict:
-        """Scores, their average and the run's settings, ready for JSON."""
-        return {"scores": dict(self.scores), "avg": self.avg, **self.meta}
+        """Scores (lmms-eval's), their average, the cleaned-up variant beside them and the run's settings, ready
+        for JSON."""
+        return {"scores": dict(self.scores), "avg": self.avg, "scores_cleaned": dict(self.scores_cleaned),
+                **self.meta}
 
     def write_examples(self, path) -> None:
         with atomic_path(path) as tmp:
@@ -78,7 +82,8 @@ def generate(
     batch_size: int = 32,
     on_batch=None,
 ) -> list[str]:
-    """Greedy responses to user ``prompts`` about ``images`` (chat template, left padding, batched).
+    """Greedy responses to user ``prompts`` about ``images`` (chat template, left padding, batched), decoded
+    as lmms-eval's Llama 3.2 Vision wrapper decodes them: special tokens skipped, nothing stripped.
 
     Inputs are batched in order of prompt length, to pad less; the responses come back in input order."""
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
@@ -99,7 +104,7 @@ def generate(
         generated = model.generate(**inputs, generation_config=config)
         texts = processor.tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         for i, t in zip(idx, texts):
-            out[i] = t.strip()
+            out[i] = t  # as is: lmms-eval's harness strips it later, after its filters (tasks.score)
         if on_batch is not None:
             on_batch(len(idx))
     return out  # type: ignore[return-value]
@@ -129,7 +134,7 @@ def evaluate(
         loaded = {name: load_task(name, n, seed, (sources or {}).get(name)) for name in tasks}
     was_training = model.training
     model.eval()
-    scores, rows, seconds, caps = {}, [], {}, {}
+    scores, cleaned, rows, seconds, caps = {}, {}, [], {}, {}
     bar = None
     if progress:
         from rich.progress import Progress
@@ -149,16 +154,20 @@ def evaluate(
                 on_batch=(lambda k, t=task_bar: bar.advance(t, k)) if bar else None,
             )
             seconds[name] = round(time.perf_counter() - t0, 2)
-            task_scores = []
+            task_scores, task_cleaned = [], []
             for e, r in zip(examples, responses):
                 answer, s = score(family, e, r)
+                answer_cleaned, s_cleaned = score_cleaned(family, e, r)
                 task_scores.append(s)
+                task_cleaned.append(s_cleaned)
                 rows.append({
                     "task": name, "id": e.id, "question": e.question, "prompt": e.prompt,
                     "references": list(e.references), "options": list(e.options) if e.options else None,
                     "answer_index": e.answer_index, "response": r, "answer": answer, "score": s,
+                    "answer_cleaned": answer_cleaned, "score_cleaned": s_cleaned,
                 })
             scores[name] = sum(task_scores) / len(task_scores) if task_scores else float("nan")
+            cleaned[name] = sum(task_cleaned) / len(task_cleaned) if task_cleaned else float("nan")
     finally:
         if bar:
             bar.stop()
@@ -167,6 +176,7 @@ def evaluate(
         ("task", pa.string()), ("id", pa.string()), ("question", pa.string()), ("prompt", pa.string()),
         ("references", pa.list_(pa.string())), ("options", pa.list_(pa.string())), ("answer_index", pa.int64()),
         ("response", pa.string()), ("answer", pa.string()), ("score", pa.float64()),
+        ("answer_cleaned", pa.string()), ("score_cleaned", pa.float64()),
     ])
     meta = {
         "n": {name: len(ex) for name, ex in loaded.items()},
@@ -178,4 +188,4 @@ def evaluate(
         "decoding": "greedy",
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
     }
-    return EvalResult(scores, pa.Table.from_pylist(rows, schema=schema), meta)
+    return EvalResult(scores, pa.Table.from_pylist(rows, schema=schema), meta, cleaned)

@@ -64,8 +64,10 @@ def _jobs(fmts: list[str], blind: bool) -> list[_Job]:
 
 def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
         teacher_data: str) -> tuple[dict, dict, dict[str, pa.Table]]:
-    """``({"models": {name: {format, method, bpp, size_mb, kl, scores, avg}}}, blind baselines, answers)``,
-    ``answers`` one table of per-example answers per model. Everything that can be checked is checked before
+    """``({"models": {name: {format, method, bpp, size_mb, kl, scores, avg}}, "scores_cleaned": {name:
+    {task: score}}}, blind baselines, answers)``, ``answers`` one table of per-example answers per model.
+    ``scores`` are lmms-eval's scoring of each generation; ``scores_cleaned`` the cleaned-up variant beside
+    them (``tasks.score_cleaned``), never instead. Everything that can be checked is checked before
     the first model is scored.
 
     Under a launcher (``launch.num_processes`` > 1) the models are dealt round-robin to the ranks (each rank
@@ -112,20 +114,20 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
                           blank_image=job.method == "blind")
         scores = {t: float(s) for t, s in result.scores.items()}
         if job.method == "blind":
-            done.append((job, {"scores": scores, "avg": float(result.avg)}, None))
+            done.append((job, {"scores": scores, "avg": float(result.avg)}, None, None))
             continue
         record = {"format": job.fmt, "method": job.method, "bpp": bpp, "size_mb": size_mb,
                   "kl": 0.0 if job.method == "teacher" else kl(model), "scores": scores, "avg": float(result.avg)}
         console.print(f"  avg {result.avg:.3f}  " + "  ".join(f"{t} {s:.3f}" for t, s in scores.items()))
-        done.append((job, record, result.examples))
+        done.append((job, record, result.examples, {t: float(s) for t, s in result.scores_cleaned.items()}))
         del model
     if state.num_processes > 1:
         done = gather_object(done)
     order = {(j.name, j.method): i for i, j in enumerate(jobs)}
-    models, baselines, answers = {}, {}, {}
-    for job, record, examples in sorted(done, key=lambda d: order[(d[0].name, d[0].method)]):
+    models, cleaned, baselines, answers = {}, {}, {}, {}
+    for job, record, examples, scores_cleaned in sorted(done, key=lambda d: order[(d[0].name, d[0].method)]):
         if job.method == "blind":
             baselines[job.name] = record
         else:
-            models[job.name], answers[job.name] = record, examples
-    return {"models": models}, baselines, answers
+            models[job.name], cleaned[job.name], answers[job.name] = record, scores_cleaned, examples
+    return {"models": models, "scores_cleaned": cleaned}, baselines, answers

@@ -36,12 +36,15 @@ class EvalExample:
 
 
 def score(family: str, example: EvalExample, response: str) -> tuple[str, float]:
-    """(extracted answer, score in [0, 1]) of one response, with the metric of the task's family."""
+    """(extracted answer, score in [0, 1]) of one response exactly as lmms-eval scores it: ``response`` is the
+    decoded generation as is (lmms-eval's Llama 3.2 Vision wrapper strips nothing); the family's filter sees it
+    unstripped (AI2D's letter filter; ChartQA's "FINAL ANSWER:" line, SPEC section 6), lmms-eval's harness
+    strips what the filter returns (``extract.generation``), then the family's metric scores it."""
     if family == "vqa":
         answer = extract.short_answer(response)
         return answer, metrics.vqa_accuracy(answer, example.references)
     if family == "chartqa":
-        answer = extract.final_answer(response)
+        answer = extract.generation(extract.final_answer_line(response))
         return answer, metrics.relaxed_accuracy(answer, example.references)
     if family == "docvqa":
         answer = extract.short_answer(response)
@@ -49,9 +52,19 @@ def score(family: str, example: EvalExample, response: str) -> tuple[str, float]
     if family == "ai2d":
         if example.options is None or example.answer_index is None:
             raise ValueError(f"{example.id}: multiple-choice example without options or answer")
-        choice = extract.choice_index(response, example.options)
+        choice = extract.choice_index(extract.generation(extract.ai2d_filter(response)), example.options)
         return ("" if choice is None else option_letter(choice)), metrics.multiple_choice_accuracy(choice, example.answer_index)
     raise ValueError(f"unknown task family {family!r}")
+
+
+def score_cleaned(family: str, example: EvalExample, response: str) -> tuple[str, float]:
+    """(answer, score) of the cleaned-up variant, reported beside ``score`` (never instead): ChartQA's answer
+    is ``extract.final_answer`` (the first non-empty line without the marker; quotes, asterisks and a trailing
+    period removed); the other families have nothing to clean and score as ``score``."""
+    if family == "chartqa":
+        answer = extract.final_answer(response)
+        return answer, metrics.relaxed_accuracy(answer, example.references)
+    return score(family, example, response)
 
 
 # --- real benchmarks ------------------------------------------------------------------------------------
