@@ -22,6 +22,7 @@ from pipeline.images import load_image
 from pipeline.io import atomic_dir
 from pipeline.models import dtype_of, load_model, load_processor
 from pipeline.params import bounded, non_negative, positive
+from pipeline.runtime import eos_ids
 from pipeline.shards import file_hash, fingerprint, read_shard, shard_paths, write_shard
 from pipeline.stage import console, progress, versions
 from pipeline.teacher import TeacherParams, local_dir
@@ -47,12 +48,6 @@ def teacher_identity(teacher: TeacherParams) -> dict:
     return {"source": teacher.source, "dtype": teacher.dtype, "config": file_hash(root / "config.json"),
             "weights": {f.name: f.stat().st_size for f in files},
             "weights_hash": file_hash(files[0]) if files and files[0].stat().st_size < (1 << 30) else None}
-
-
-def eos_ids(model, processor) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    eos = eos if isinstance(eos, list) else [eos]
-    return {int(e) for e in eos if e is not None} | {processor.tokenizer.convert_tokens_to_ids("<|eot_id|>")}
 
 
 @torch.inference_mode()

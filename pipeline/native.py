@@ -87,7 +87,8 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A reusable buffer per thread (fresh allocations of many MiB cost page faults on every call)."""
     buf = getattr(_workspace, name, None)
     if buf is None or buf.numel() < numel or buf.dtype != dtype:
-        buf = torch.empty(max(numel, 1), dtype=dtype)
+        with torch.inference_mode(False):     # a buffer made under inference mode cannot be written outside it
+            buf = torch.empty(max(numel, 1), dtype=dtype)
         setattr(_workspace, name, buf)
     return buf[:numel]
 

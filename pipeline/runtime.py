@@ -21,8 +21,12 @@ Generation, greedy or sampled (temperature, top-k, top-p, seeded), with a KV cac
   on the 1B and within the run-to-run noise on the overhead-bound toy, so it is the default.
 
 ``python -m pipeline.runtime MODEL_DIR --prompt "..." [--image PATH] [--max-new-tokens N] [--threads N]`` (a packed
-model directory, or its ``model.safetensors``)
-prints tokens as they come and tokens/s at the end.
+model directory, or its ``model.safetensors``; ``s3d8 generate`` is the same command) prints the answer as it comes
+(the stop token not printed) and tokens/s at the end. Its prompt is the one eval and teacher-generate give: the
+chat template (which begins with BOS) tokenised without further special tokens, so greedy tokens equal Hugging
+Face ``generate`` on the same model and input. ``--threads 0`` (the default) keeps torch's default thread count.
+Exit status: 0, 1 for an error (one line on stderr: a bad model file, prompt or value), 2 for a command line that
+cannot be parsed (argparse).
 """
 
 from __future__ import annotations
@@ -64,9 +68,16 @@ def read_header(path: str | Path) -> tuple[dict, dict[str, str], int]:
             if n > min(path.stat().st_size, 1 << 30):
                 raise ValueError
             header = json.loads(f.read(n))
-    except (ValueError, struct.error, UnicodeDecodeError):
+        if not isinstance(header, dict):
+            raise ValueError
+        meta = header.pop("__metadata__", {}) or {}
+        end = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+    except (ValueError, struct.error, UnicodeDecodeError, TypeError, KeyError, IndexError, AttributeError):
         raise RuntimeInputError(f"{path}: not a safetensors file (a packed model is one)") from None
-    meta = header.pop("__metadata__", {}) or {}
+    size = path.stat().st_size
+    if 8 + n + end != size:
+        raise RuntimeInputError(f"{path}: truncated or corrupt: its header describes {8 + n + end} bytes, the file "
+                                f"holds {size}")
     return header, meta, 8 + n
 
 
@@ -566,7 +577,7 @@ def _processor_for(path: Path, meta: dict[str, str], tokenizer: str | None):
     beside = path.parent if (path.parent / "processor_config.json").is_file() else None
     source = tokenizer or beside or meta.get("source_model")
     if source and Path(source).exists():
-        return load_processor(source)
+        return load_processor(str(source))
     return None
 
 
@@ -578,7 +589,7 @@ def _inputs(kind: str, processor, prompt: str, image: str | None, vocab: int) ->
         ids = [1] + [3 + b for b in prompt.encode()]
         if max(ids) >= vocab:
             raise RuntimeInputError(f"--prompt: byte tokens need a vocabulary of 259, the model has {vocab}")
-        return {"input_ids": torch.tensor([ids])}, lambda t: f"<{t}>"
+        return {"input_ids": torch.tensor([ids])}, lambda tokens: "".join(f"<{t}>" for t in tokens)
     if processor is None:
         raise RuntimeInputError("no tokenizer: no processor files beside the packed file and its 'source_model' is "
                                 "not a local directory; pass --tokenizer DIR")
@@ -590,44 +601,100 @@ def _inputs(kind: str, processor, prompt: str, image: str | None, vocab: int) ->
             img = Image.open(image).convert("RGB")
         except (OSError, ValueError) as e:
             raise RuntimeInputError(f"--image {image}: cannot read it as an image ({e})") from None
-        text = chat_prompt(processor, prompt)
-        inputs = dict(processor(images=[img], text=[text], return_tensors="pt"))
+        text = chat_prompt(processor, prompt)     # begins with BOS: the processor must not add another
+        inputs = dict(processor(images=[img], text=[text], return_tensors="pt", add_special_tokens=False))
     else:
         messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = dict(processor(text=[text], return_tensors="pt", add_special_tokens=False))
     inputs = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    return inputs, lambda t: processor.tokenizer.decode([t])
+    return inputs, lambda tokens: processor.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.runtime",
-                                 description="Generate with a packed S3D8 model on the native kernels.")
+def eos_ids(model, processor) -> set[int]:
+    """The stop tokens of an Mllama model: its generation config's ``eos_token_id`` and ``<|eot_id|>`` (what
+    teacher-generate, eval and the CLI stop at)."""
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    return {int(e) for e in eos if e is not None} | {processor.tokenizer.convert_tokens_to_ids("<|eot_id|>")}
+
+
+class TextStream:
+    """Prints generated tokens as text as they come, as ``detok(tokens)`` of all so far (a character split
+    over tokens is printed once complete); stop tokens are not printed."""
+
+    def __init__(self, detok, stop: set[int], out=None) -> None:
+        self.detok, self.stop, self.out = detok, stop, out or sys.stdout
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, token: int) -> None:
+        if token in self.stop:
+            return
+        self.tokens.append(token)
+        text = self.detok(self.tokens)
+        if not text.endswith("\ufffd"):
+            self._emit(text)
+
+    def _emit(self, text: str) -> None:
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.printed = text
+
+    def close(self) -> None:
+        self._emit(self.detok(self.tokens) if self.tokens else self.printed)
+        self.out.write("\n")
+        self.out.flush()
+
+
+def check_threads(threads: int, flag: str = "--threads") -> int:
+    """``threads`` of a command line, the same meaning everywhere: 0 leaves torch's default, 1 .. the CPUs
+    this process may use sets it; anything else is a RuntimeInputError. Returns the count that holds."""
+    cpus = available_cpus()
+    if not 0 <= threads <= cpus:
+        raise RuntimeInputError(f"{flag} {threads}: use 0 (torch's default) or 1..{cpus} (the CPUs this process "
+                                f"may use)")
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+THREADS_HELP = "threads (default 0: torch's default; at most the CPUs this process may use)"
+
+
+def build_parser(prog: str = "python -m pipeline.runtime") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="Generate with a packed S3D8 model on the native kernels: "
+                                 "the answer on stdout as it comes, tokens/s on stderr.",
+                                 epilog="Exit status: 0 done, 1 an error (one line on stderr), 2 a command line "
+                                        "that cannot be parsed.")
     ap.add_argument("model", help="packed model directory (pack-safetensors' output) or its .safetensors file")
-    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--prompt", required=True, help="the user's message (sent through the chat template)")
     ap.add_argument("--image", help="an image file (Mllama models)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None, help="default: the CPUs available")
-    ap.add_argument("--impl", choices=IMPLS, default=DEFAULT_IMPL)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    ap.add_argument("--threads", type=int, default=0, help=THREADS_HELP)
+    ap.add_argument("--impl", choices=IMPLS, default=DEFAULT_IMPL,
+                    help=f"generation loop: lean (ours) or hf (Hugging Face generate); default {DEFAULT_IMPL}")
     ap.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", help="processor directory (default: the file's source_model)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--temperature", type=float, default=0.8, help="with --sample (default 0.8)")
+    ap.add_argument("--top-k", type=int, default=0, help="with --sample: keep the k likeliest tokens (default 0: all)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="with --sample: nucleus mass kept (default 0.95)")
+    ap.add_argument("--seed", type=int, default=0, help="with --sample: the random seed (default 0)")
+    ap.add_argument("--tokenizer", help="processor directory (default: beside the model, or its source_model)")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.runtime") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
-        cpus = available_cpus()
-        threads = args.threads if args.threads is not None else cpus
-        if threads < 1 or threads > cpus:
-            raise RuntimeInputError(f"--threads {threads}: this machine gives this process {cpus} CPU(s); "
-                                    f"use 1..{cpus}")
         if args.max_new_tokens < 1:
             raise RuntimeInputError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+        if args.sample and (args.temperature <= 0 or args.top_k < 0 or not 0 < args.top_p <= 1):
+            raise RuntimeInputError(f"--temperature {args.temperature} / --top-k {args.top_k} / --top-p {args.top_p}: "
+                                    f"expected temperature > 0, top-k >= 0, 0 < top-p <= 1")
+        threads = check_threads(args.threads)
         path = packed_file(args.model)
         kind, fmt = model_kind(path)
         _, meta, _ = read_header(path)
-        torch.set_num_threads(threads)
         processor = _processor_for(path, meta, args.tokenizer) if kind == "mllama" else None
         cfg = json.loads(meta["config"])
         vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size", 0)
@@ -637,21 +704,25 @@ def main(argv: list[str] | None = None) -> int:
         if ctx and n + args.max_new_tokens > ctx:
             raise RuntimeInputError(f"--prompt: {n} prompt tokens + {args.max_new_tokens} new tokens exceed the "
                                     f"model's context of {ctx} tokens")
-        model = load(path, args.impl, max_len=n + args.max_new_tokens)
-    except RuntimeInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        try:
+            model = load(path, args.impl, max_len=n + args.max_new_tokens)
+        except (ValueError, KeyError, OSError) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            raise RuntimeInputError(msg if str(path) in msg
+                                    else f"{path}: cannot load the packed model ({msg})") from None
+    except (ValueError, OSError) as e:         # RuntimeInputError, and what reading the files raises
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     eos = set()
     if processor is not None:
-        from pipeline.generate import eos_ids
         eos = eos_ids(model, processor)
     elif isinstance(model, LeanLlama):
         eos = {t for t in model.eos if t is not None}
     sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
-    res = generate(model, inputs, args.max_new_tokens, sampling, impl=args.impl, eos=eos,
-                   on_token=lambda t: print(detok(t), end="", flush=True))
-    print()
+    stream = TextStream(detok, eos)
+    res = generate(model, inputs, args.max_new_tokens, sampling, impl=args.impl, eos=eos, on_token=stream)
+    stream.close()
     print(f"[{kind} {fmt}, {args.impl}, {threads} thread(s)] prompt {res.prompt_tokens} tokens: "
           f"{res.prefill_tokens_per_s:.1f} tokens/s; {res.new_tokens} new tokens: "
           f"{res.decode_tokens_per_s:.2f} tokens/s after the first", file=sys.stderr)

@@ -25,6 +25,7 @@ from pipeline import formats, params, ptq
 from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import check_states
+from pipeline.formats.base import check_weight
 from pipeline.hf import write_model_dir
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                  hessian=calibration.get(name))
                     else:
                         encode = trained
-                    summary = write_model_dir(out / method, CheckpointReader(source), fmt, states, encode=encode,
+                    reader = CheckpointReader(source)
+                    summary = write_model_dir(out / method, reader, fmt, states, encode=checked(encode, reader),
                                               teacher_dir=teacher_dir, method=method, base_model=teacher.source,
                                               teacher_name=teacher.name, dtype=dtype_of(p.dtype),
                                               metadata={"config": config, "method": method,
@@ -73,6 +75,16 @@ def main(argv: list[str] | None = None) -> None:
                               f"{summary['bits_per_param_nominal']:.3f} bits/param nominal, "
                               f"{summary['bits_per_param_actual']:.3f} actual")
         write_json(f"reports/pack/{fmt.name}.json", report)
+
+
+def checked(encode, reader: CheckpointReader):
+    """``encode`` of weights checked first: a NaN or Inf is refused naming the checkpoint tensor and its file."""
+
+    def encode_checked(name, weight, state):
+        check_weight(weight, f"{reader.file_of(f'{name}.weight')}: tensor {name}.weight")
+        return encode(name, weight, state)
+
+    return encode_checked
 
 
 def qat_state(student_dir: str, fmt):

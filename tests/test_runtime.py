@@ -148,6 +148,24 @@ def test_cli_generates_and_reports_tokens_per_s(synth):
     p = _cli(synth["s3d8"], "--prompt", "hello", "--max-new-tokens", "5", "--threads", "1")
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("<") == 5 and "tokens/s" in p.stderr
+    p = _cli(synth["s3d8"], "--prompt", "hello", "--max-new-tokens", "2")      # --threads 0: torch's default
+    assert p.returncode == 0 and "thread(s)" in p.stderr, p.stderr
+
+
+def test_cli_prints_hf_generate_tokens_on_the_synthetic_llama(synth, capsys):
+    """The printed tokens are those of Hugging Face generate on the same file and prompt, the stop token not
+    printed."""
+    model = runtime.hf_llama(synth["s3d8"])
+    eos = {t for t in runtime.LeanLlama(synth["s3d8"], 16).eos if t is not None}
+    ids = torch.tensor([[1] + [3 + b for b in b"hello"]])
+    with torch.inference_mode():
+        ref = model.generate(input_ids=ids, do_sample=False, max_new_tokens=8, eos_token_id=sorted(eos),
+                             pad_token_id=0)[0, ids.shape[1]:].tolist()
+    ref = [t for t in ref if t not in eos]
+    for impl in runtime.IMPLS:
+        assert runtime.main([str(synth["s3d8"]), "--prompt", "hello", "--max-new-tokens", "8", "--threads", "1",
+                             "--impl", impl]) == 0
+        assert capsys.readouterr().out == "".join(f"<{t}>" for t in ref) + "\n"
 
 
 def test_cli_takes_a_packed_model_directory(synth, tmp_path):
@@ -160,20 +178,25 @@ def test_cli_takes_a_packed_model_directory(synth, tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "shard-1.safetensors").write_bytes(b"")
     p = _cli(tmp_path / "other", "--prompt", "x")
-    assert p.returncode == 2 and "holds model.safetensors; found shard-1.safetensors" in p.stderr
+    assert p.returncode == 1 and "holds model.safetensors; found shard-1.safetensors" in p.stderr
 
 
 def test_cli_bad_input_is_one_line(synth, tmp_path, packed_toy):
+    """Errors: one line on stderr, exit status 1 (2 is argparse's, for a command line it cannot parse)."""
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a model")
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(synth["s3d8"].read_bytes()[:-100])
     for args, needle in [((junk, "--prompt", "x"), "not a safetensors file"),
+                         ((truncated, "--prompt", "x"), f"{truncated}: truncated or corrupt"),
+                         ((synth["s3d8"], "--prompt", "x", "--threads", "-2"), "--threads -2"),
                          ((synth["s3d8"].parent / "missing.safetensors", "--prompt", "x"), "no such file"),
                          ((synth["s3d8"], "--prompt", "x" * 600), "exceed the model's context of 512"),
                          ((synth["s3d8"], "--prompt", "x", "--threads", "4096"), "--threads 4096"),
                          ((synth["s3d8"], "--prompt", "x", "--image", junk), "text-only Llama"),
                          ((packed_toy, "--prompt", "x"), "no tokenizer")]:
         p = _cli(*args)
-        assert p.returncode == 2, (args, p.stderr)
+        assert p.returncode == 1, (args, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], (args, p.stderr)
 
@@ -190,7 +213,7 @@ def test_cli_refuses_other_packed_formats(tiny_checkpoint, tmp_path):
     out = tmp_path / "int.safetensors"
     write_packed(out, reader, fmt, states, metadata={"config": teacher.config.to_dict()})
     p = _cli(out, "--prompt", "x")
-    assert p.returncode == 2 and "not a packed S3D8 model" in p.stderr and "kernel='torch'" in p.stderr
+    assert p.returncode == 1 and "not a packed S3D8 model" in p.stderr and "kernel='torch'" in p.stderr
 
 
 def test_gguf_of_the_synthetic_weights(synth, tmp_path):
