@@ -8,7 +8,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # requirements.lock pins every package (torch==2.13.0 is the CPU wheel; a looser pin pulls CUDA).
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements.lock
-.venv/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+# The project with the extras the pipeline and the tests need (pyproject.toml). --no-index: every dependency
+# must already be installed from requirements.lock (nothing is downloaded here; a range the lock does not
+# satisfy stops the set-up). The [bench] extra (llama.cpp) stays optional: requirements-bench.txt.
+.venv/bin/pip install --quiet --disable-pip-version-check --no-index --no-build-isolation -e ".[pipeline,eval,dev]"
 .venv/bin/python native/build.py   # the S3D8 kernel library: pipeline/_s3d8_native*.so
 # The default DVC remote for `dvc push` / `dvc pull` is a local directory (.dvc/config:
 # ~/.cache/s3d8-pipeline/dvc-remote, shared by every clone of this user on this machine). Create it, or
