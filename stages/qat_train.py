@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
             h = calibration.get(name)
             return None if h is None else h.diagonal().contiguous()
 
-        fp = fingerprint(asdict(p) | {"threads": None, "checkpoint_every": None}, fmt.name, file_hash(state_file),
+        # the thread count stays in: it sets the reduction order, so a checkpoint resumes on the count it was made on
+        fp = fingerprint(asdict(p) | {"checkpoint_every": None}, fmt.name, file_hash(state_file),
                          [file_hash(s) for s in shard_paths(args.teacher_data)], heldout,
                          file_hash(local_dir(teacher.source) / "config.json"),
                          method if p.init == "ptq" else None,

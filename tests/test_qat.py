@@ -169,3 +169,88 @@ def test_qat_init_is_checked():
 
     with pytest.raises(params.ParamsError, match="qat.init"):
         params.from_dict(QATParams, {"init": "random"}, "qat")
+
+
+def _toy_examples(n: int, seed: int = 0):
+    """Training sequences for the committed toy teacher: prompts with its image token, varied lengths."""
+    import random
+
+    from pipeline.qat.data import Example
+
+    rng = random.Random(seed)
+    return [Example(i, f"toy:{i}:0", (0, 1202, *(rng.randrange(10, 1200) for _ in range(rng.randrange(3, 12)))),
+                    tuple(rng.randrange(10, 1200) for _ in range(rng.randrange(2, 9))) + (9,)) for i in range(n)]
+
+
+def _toy(dtype):
+    import pipeline.toy  # noqa: F401  (the toy image pool)
+    from pipeline.models import load_model, load_processor
+
+    return load_model("data/toy-teacher", dtype), load_processor("data/toy-teacher")
+
+
+def test_cached_teacher_logits_give_the_per_step_kl_and_gradients():
+    """qat.teacher_logits cache: the rows computed once (other batches, other padding) are the per-step
+    forward's to bf16 rounding, and the KL and the student's gradients agree to 1e-3 relative."""
+    from pipeline.qat.data import collate
+    from pipeline.qat.loss import kl_sum
+    from pipeline.qat.train import _teacher_forward, teacher_logits
+
+    teacher, processor = _toy(torch.bfloat16)
+    examples = _toy_examples(6)
+    cache = teacher_logits(teacher, examples, processor, 160, 4, "cpu", torch.bfloat16)
+    assert [c.shape[0] for c in cache] == [len(e.response_ids) for e in examples]
+    assert all(c.dtype == torch.bfloat16 for c in cache)
+    picked = [5, 1, 2]                              # another composition and padding than the cache's batches
+    batch = collate([examples[i] for i in picked], processor, 160)
+    keep = batch.pop("loss_mask").bool()
+    with torch.no_grad():
+        per_step = _teacher_forward(teacher, batch, torch.bfloat16)[keep]
+    cached = torch.cat([cache[i] for i in picked])
+    assert cached.shape == per_step.shape
+    assert torch.allclose(cached.float(), per_step.float(), rtol=0, atol=0.07)   # a few bf16 ulps of |logit| < 16
+
+    student, _ = _toy(torch.float32)
+    results = []
+    for t in (per_step, cached):
+        student.zero_grad(set_to_none=True)
+        kl = kl_sum(student(**batch).logits[keep], t)
+        kl.backward()
+        results.append((kl.detach(), torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None])))
+    (kl_a, g_a), (kl_b, g_b) = results
+    assert float(kl_a) > 0
+    assert abs(float(kl_a - kl_b)) <= 1e-3 * float(kl_a)
+    assert float((g_a - g_b).norm()) <= 1e-3 * float(g_a.norm())
+
+
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])   # 2: ~1 s alone, 30 s on a busy core
+def test_qat_steps_give_the_same_bytes_at_one_thread_count(threads):
+    """Same parameters and seeds, same thread count: the same student bytes (a fixed reduction order)."""
+    from pipeline.qat.data import collate
+    from pipeline.qat.loss import kl_sum
+    from pipeline.qat.train import teacher_logits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        teacher, processor = _toy(torch.bfloat16)
+        examples = _toy_examples(4)
+        states = fitted(_toy(torch.float32)[0], "int")
+        runs = []
+        for _ in range(2):
+            cache = teacher_logits(teacher, examples, processor, 160, 2, "cpu", torch.bfloat16)
+            student, _ = _toy(torch.float32)
+            prepare(student, formats.get("int"), states)
+            optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+            for picked in ([0, 3], [2, 1]):
+                batch = collate([examples[i] for i in picked], processor, 160)
+                keep = batch.pop("loss_mask").bool()
+                kl_sum(student(**batch).logits[keep], torch.cat([cache[i] for i in picked])).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            runs.append({k: v.detach().clone() for k, v in student.state_dict().items()})
+        assert runs[0].keys() == runs[1].keys()
+        for k in runs[0]:
+            assert torch.equal(runs[0][k], runs[1][k]), k
+    finally:
+        torch.set_num_threads(before)

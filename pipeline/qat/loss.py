@@ -18,6 +18,15 @@ def response_kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
         raise ValueError(f"student logits {list(student_logits.shape)} and teacher logits "
                          f"{list(teacher_logits.shape)} differ in shape")
     keep = mask.bool()
-    s = F.log_softmax(student_logits[keep].float(), dim=-1)
-    t = F.log_softmax(teacher_logits[keep].float(), dim=-1)
+    return kl_sum(student_logits[keep], teacher_logits[keep])
+
+
+def kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Sum over rows of ``KL(p_teacher || p_student)`` for logits already selected, ``[N, V]`` each (the
+    masked positions of :func:`response_kl_sum`, in the same order; QAT's cached teacher logits)."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {list(student_logits.shape)} and teacher logits "
+                         f"{list(teacher_logits.shape)} differ in shape")
+    s = F.log_softmax(student_logits.float(), dim=-1)
+    t = F.log_softmax(teacher_logits.float(), dim=-1)
     return F.kl_div(s, t, log_target=True, reduction="sum")
