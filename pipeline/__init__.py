@@ -1,7 +1,9 @@
 """S3D8 pipeline: formats, quantised modules, data, models, evaluation, packed-file IO, native bindings.
 
 Importing ``pipeline`` registers the packed formats with transformers (``pipeline/hf.py``), so that
-``AutoModelForImageTextToText.from_pretrained`` loads a packed model directory. The registration runs when
+``AutoModelForImageTextToText.from_pretrained`` (``AutoModelForCausalLM`` for a text-only Llama) loads a packed
+model directory with its weights kept packed, ``save_pretrained`` writes it back, and a checkpoint of packed
+tensors without their quantization config is refused rather than loaded as random weights. The registration runs when
 transformers itself is imported (at once if it already is), so that ``import pipeline`` stays cheap for the
 tools that never load a model.
 """

@@ -6,21 +6,25 @@
     s3d8 bench [--shape 1,4096,4096] [--threads 1]                # S3D8 vs BF16 matmul on the native kernels
     s3d8 generate PACKED --prompt TEXT [--image PATH] ...         # pipeline.runtime's generation
 
-``OUT`` of ``pack``: a ``.safetensors`` file, or a directory (``model.safetensors`` beside the source model's
-config, tokenizer and processor files). ``PACKED``: a packed file or such a directory. Errors are one line
-on stderr and exit status 1.
+``OUT`` of ``pack``: a ``.safetensors`` file, or a directory: the Hugging Face directory pack-safetensors writes
+(config.json with its quantization_config, processor, generation config, model card). ``PACKED``: a packed file or such a directory. ``--threads`` means the
+same in every command: 0 keeps torch's default, 1 .. the CPUs this process may use sets it, anything else is an
+error.
+
+Exit status (every command): 0 done; 1 an error, printed as one line on stderr (a bad model file, a value out of
+range, a failed run); 2 a command line argparse cannot parse (unknown option, missing argument, a value that is
+not a number), printed with the usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
-_SIDE_FILES = ("*.json", "*.jinja", "*.model", "*.txt")
+THREADS_HELP = "threads (default 0: torch's default; at most the CPUs this process may use)"
 
 
 def _packed_file(path: str) -> Path:
@@ -46,27 +50,51 @@ def cmd_pack(args) -> int:
     from pipeline.checkpoint import CheckpointReader
     from pipeline.fit import fit_model
     from pipeline.models import dtype_of, load_config
-    from pipeline.packed import write_packed
     from pipeline.teacher import local_dir
 
     fmt = formats.comparison(args.format, "--format")
     source = local_dir(args.model)
-    states, report = fit_model(fmt, str(source), seed=args.seed)
     out = Path(args.out)
     as_dir = out.suffix != ".safetensors"
-    file = out / "model.safetensors" if as_dir else out
-    file.parent.mkdir(parents=True, exist_ok=True)
-    summary = write_packed(file, CheckpointReader(source), fmt, states, dtype=dtype_of(args.dtype),
-                           metadata={"config": load_config(str(source)).to_dict(), "method": "direct-cast",
-                                     "source_model": args.model})
     if as_dir:
-        for pattern in _SIDE_FILES:
-            for side in sorted(source.glob(pattern)):
-                if side.name not in ("model.safetensors.index.json",):
-                    shutil.copy2(side, out / side.name)
-    print(f"{file}: {summary['file_bytes']} bytes, {summary['bits_per_param_nominal']:.3f} bits/param nominal, "
+        _check_pack_dir(out, source)
+    states, report = fit_model(fmt, str(source), seed=args.seed)
+    metadata = {"config": load_config(str(source)).to_dict(), "method": "direct-cast", "source_model": args.model}
+    if as_dir:      # the Hugging Face directory pack-safetensors writes (config, processor, card), atomically
+        from pipeline.hf import write_model_dir
+        from pipeline.io import atomic_dir
+
+        name = args.model.rstrip("/").rpartition("/")[2]
+        with atomic_dir(out) as tmp:
+            summary = write_model_dir(tmp, CheckpointReader(source), fmt, states, teacher_dir=source,
+                                      method="direct-cast", base_model=args.model, teacher_name=name,
+                                      dtype=dtype_of(args.dtype), metadata={**metadata, "teacher": name})
+    else:
+        from pipeline.packed import write_packed
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        summary = write_packed(out, CheckpointReader(source), fmt, states, dtype=dtype_of(args.dtype),
+                               metadata=metadata)
+    print(f"{out}: {summary['file_bytes']} bytes, {summary['bits_per_param_nominal']:.3f} bits/param nominal, "
           f"{summary['bits_per_param_actual']:.3f} actual (fit rel. RMSE {report['summary']['rel_rmse']:.4f})")
     return 0
+
+
+def _check_pack_dir(out: Path, source: Path) -> None:
+    """``s3d8 pack`` replaces OUT_DIR whole: only an empty directory or an earlier packed one, never the source."""
+    if out.resolve() == source.resolve() or out.resolve() in source.resolve().parents:
+        raise ValueError(f"{out}: the output directory would replace the model it packs ({source})")
+    if out.is_file():
+        raise ValueError(f"{out}: is a file; give a directory or a .safetensors file")
+    if out.is_dir() and any(out.iterdir()):
+        config = out / "config.json"
+        try:
+            packed = json.loads(config.read_text()).get("model_type", "").startswith("s3d8-pipeline-")
+        except (OSError, ValueError, AttributeError):
+            packed = False
+        if not packed:
+            raise ValueError(f"{out}: exists and is not a packed model directory; give a new or empty directory "
+                             f"(pack replaces it whole)")
 
 
 def cmd_eval(args) -> int:
@@ -76,10 +104,13 @@ def cmd_eval(args) -> int:
     from pipeline.eval.runner import evaluate
     from pipeline.models import load_processor
     from pipeline.packed import load_packed_model
+    from pipeline.runtime import check_threads
 
+    for flag, value in (("--n", args.n), ("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+    check_threads(args.threads)
     torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model = load_packed_model(_packed_file(args.model), kernel=args.kernel)
     processor = load_processor(_model_dir(args.model, args.tokenizer))
     result = evaluate(model, processor, args.tasks, n=args.n, seed=args.seed, batch_size=args.batch_size,
@@ -105,7 +136,11 @@ def cmd_bench(args) -> int:
 
     from pipeline import native
     from pipeline.formats import s3d8
+    from pipeline.runtime import check_threads
 
+    threads = check_threads(args.threads)
+    if not args.seconds >= 0:
+        raise ValueError(f"--seconds {args.seconds}: must be >= 0")
     try:
         m, k, n = (int(v) for v in args.shape.split(","))
     except ValueError:
@@ -115,13 +150,13 @@ def cmd_bench(args) -> int:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=gen)
     table = s3d8.fit_centroids(weight, seed=0)
-    packed, scale = native.s3d8_encode(weight, table, threads=args.threads)
+    packed, scale = native.s3d8_encode(weight, table, threads=threads)
     x = torch.randn(m, k, generator=gen)
     w_bf16 = weight.to(torch.bfloat16)
-    impls = {"s3d8": lambda: native.s3d8_matmul(x, packed, scale, table, (n, k), threads=args.threads),
-             "bf16": lambda: native.bf16_matmul(x, w_bf16, threads=args.threads)}
+    impls = {"s3d8": lambda: native.s3d8_matmul(x, packed, scale, table, (n, k), threads=threads),
+             "bf16": lambda: native.bf16_matmul(x, w_bf16, threads=threads)}
     print(f"native variant {native.variant()} (available: {', '.join(native.available_variants())}), "
-          f"m={m} k={k} n={n}, threads={args.threads}")
+          f"m={m} k={k} n={n}, threads={threads}")
     for name, fn in impls.items():
         fn()                                         # warm-up
         times = []
@@ -136,42 +171,49 @@ def cmd_bench(args) -> int:
 
 
 def cmd_generate(args, rest: list[str]) -> int:
+    """``python -m pipeline.runtime`` under the name ``s3d8 generate`` (its own options, help and errors)."""
     try:
         from pipeline import runtime
     except ImportError as e:
         print(f"error: s3d8 generate needs pipeline.runtime, which this installation lacks ({e}); "
               f"update the package", file=sys.stderr)
-        return 2
+        return 1
     if not hasattr(runtime, "main"):
         print("error: pipeline.runtime has no command-line entry point (main) in this version", file=sys.stderr)
-        return 2
-    return int(runtime.main(rest) or 0)
+        return 1
+    return int(runtime.main(rest, prog="s3d8 generate") or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="s3d8", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:8]))
+                                     epilog="\n".join(__doc__.splitlines()[2:8]) + "\n\nexit status: 0 done, 1 an "
+                                     "error (one line on stderr), 2 a command line that cannot be parsed")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("pack", help="fit and pack a model directory (direct cast)")
     p.add_argument("model", help="model directory (Hugging Face layout) or hub id")
-    p.add_argument("out", help="OUT.safetensors, or a directory for model.safetensors + config and tokenizer")
+    p.add_argument("out", help="OUT.safetensors (the packed file alone), or a directory: the Hugging Face "
+                              "directory pack-safetensors writes (config.json with quantization_config, "
+                              "processor, generation config, model card)")
     p.add_argument("--format", default="s3d8", help="s3d8, int, student_t or lloyd_max (default s3d8)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the tensors that are not quantised")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the format's fit (S3D8: the k-means of its "
+                                                       "centroid tables; default 0)")
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("eval", help="score a packed model on evaluation tasks")
     p.add_argument("model", help="packed .safetensors file or its directory")
-    p.add_argument("--tasks", nargs="+", default=["toy-vqa", "toy-chartqa", "toy-docvqa", "toy-ai2d"])
-    p.add_argument("--n", type=int, default=16, help="examples per task")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, help="override the per-task cap")
-    p.add_argument("--kernel", default="torch", choices=["torch", "native"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--tasks", nargs="+", default=["toy-vqa", "toy-chartqa", "toy-docvqa", "toy-ai2d"],
+                   help="tasks to score (default: the four toy tasks)")
+    p.add_argument("--n", type=int, default=16, help="examples per task, at least 1 (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the examples drawn (default 0)")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per forward, at least 1 (default 16)")
+    p.add_argument("--max-new-tokens", type=int, help="override the per-task cap (at least 1)")
+    p.add_argument("--kernel", default="torch", choices=["torch", "native"],
+                   help="torch (decoded weights) or native (the packed bytes on the C kernels); default torch")
+    p.add_argument("--threads", type=int, default=0, help=THREADS_HELP)
     p.add_argument("--tokenizer", help="processor directory (default: beside the model or its source model)")
     p.add_argument("--json", help="also write the scores to this JSON file")
     p.set_defaults(func=cmd_eval)
@@ -180,17 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="packed S3D8 .safetensors file or its directory")
     p.add_argument("out", help="output .sqt file")
     p.add_argument("--tokenizer", help="tokenizer directory (default: beside the model or its source model)")
-    p.add_argument("--alignment", type=int, default=32)
+    p.add_argument("--alignment", type=int, default=32, help="byte alignment of the tensor data (default 32)")
     p.set_defaults(func=cmd_export_sqt)
 
     p = sub.add_parser("bench", help="time S3D8 and BF16 matmuls on the native kernels")
     p.add_argument("--shape", default="1,4096,4096", help="m,k,n (default 1,4096,4096)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seconds", type=float, default=1.0, help="time per implementation")
+    p.add_argument("--threads", type=int, default=1, help=THREADS_HELP.replace("default 0: ", "default 1; 0: "))
+    p.add_argument("--seconds", type=float, default=1.0, help="time per implementation (default 1.0)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("generate", add_help=False,
-                       help="generate with pipeline.runtime (arguments as `python -m pipeline.runtime`)")
+                       help="generate with pipeline.runtime (`s3d8 generate --help` for its options)")
     p.set_defaults(func=None)
     return parser
 
@@ -212,8 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
-        print(f"s3d8 {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"s3d8 {args.command}: error: {message}", file=sys.stderr)
+        return 1
+    except ImportError as e:        # a module of an extra the installation lacks (pyproject.toml)
+        extra = "eval" if args.command == "eval" else "pipeline"
+        print(f"s3d8 {args.command}: error: needs {e.name or e}, of the [{extra}] extra this installation lacks: "
+              f"pip install 's3d8-pipeline[{extra}]' (or the repository / wheel with [{extra}])", file=sys.stderr)
         return 1
 
 

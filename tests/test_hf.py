@@ -1,5 +1,6 @@
 """Packed model directories (pipeline/hf.py): the layout pack-safetensors writes, from_pretrained equal to
-load_packed_model bit for bit, the native kernel option, sharding, plain transformers refusing loudly, bad input."""
+load_packed_model bit for bit (same kernel, decode and dtype), weights packed in memory by default, the native
+kernel option, sharding, plain transformers refusing loudly, bad input. tests/test_hf_traps.py: issue 23's traps."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import pipeline  # noqa: F401  (registers the packed formats with transformers)
 from pipeline import formats
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import fit_model
-from pipeline.hf import INDEX_NAME, MODEL_TYPE, PackedQuantConfig, fill_card, read_header, write_model_dir
+from pipeline.hf import (INDEX_NAME, MODEL_TYPE, PackedQuantConfig, fill_card, read_header, weight_bytes,
+                         write_model_dir)
 from pipeline.models import load_config
-from pipeline.packed import PackedLinear, load_packed_model, read_metadata
+from pipeline.packed import LazyPackedEmbedding, LazyPackedLinear, PackedLinear, load_packed_model, read_metadata
 from tests.stage_helpers import build_tiny_teacher
 
 SHARD_LIMIT = 60_000          # bytes: the int model (about 190 kB) is written as several shards
@@ -72,8 +74,10 @@ def test_layout(packed):
         "processor_config.json", "tokenizer.json", "tokenizer_config.json"])
     config = json.loads((s3d8 / "config.json").read_text())
     assert config["model_type"] == MODEL_TYPE
-    assert config["quantization_config"] == {"quant_method": "s3d8", "format": "s3d8", "format_version": "1",
-                                             "layout": "llama-mobile-s3d8-packed-v1"}
+    qc = config["quantization_config"]
+    assert qc == {"quant_method": "s3d8", "format": "s3d8", "version": "1", "layout": "llama-mobile-s3d8-packed-v1",
+                  "bits_per_weight": qc["bits_per_weight"], "modules_to_not_convert": []}
+    assert qc["bits_per_weight"] == float(read_metadata(s3d8 / "model.safetensors")["bits_per_param_nominal"])
     assert read_metadata(s3d8 / "model.safetensors")["llama_mobile_format"] == "llama-mobile-s3d8-packed-v1"
     card = (s3d8 / "README.md").read_text()
     assert card.startswith("---\n") and "library_name: transformers" in card and "reports/eval.json" in card
@@ -92,20 +96,44 @@ def test_layout(packed):
 
 
 @pytest.mark.parametrize("fmt", ["s3d8", "int"])
-def test_from_pretrained_equals_load_packed_model(packed, fmt):
+@pytest.mark.parametrize("decode", ["eager", "lazy"])
+def test_from_pretrained_equals_load_packed_model(packed, fmt, decode):
     path = packed / fmt
-    reference = load_packed_model(path / "model.safetensors" if fmt == "s3d8" else path)
-    model = from_pretrained(path, dtype=torch.float32)
-    assert isinstance(model.model.language_model.layers[0].mlp.up_proj, PackedLinear)
+    file = path / "model.safetensors" if fmt == "s3d8" else path
+    reference = load_packed_model(file, decode=decode)      # fp32, kernel torch: the QAT forward
+    model = from_pretrained(path, dtype=torch.float32,
+                            quantization_config=PackedQuantConfig(kernel="torch", decode=decode))
+    layer = model.model.language_model.layers[0].mlp.up_proj
+    assert isinstance(layer, PackedLinear if decode == "eager" else LazyPackedLinear)
     assert model.config.quantization_config.format == fmt
     x = inputs(model.config)
     with torch.no_grad():
         assert torch.equal(model(**x).logits, reference(**x).logits)
-    if fmt == "s3d8":          # the config's dtype (bf16) by default
-        model = from_pretrained(path)
-        reference = load_packed_model(path / "model.safetensors", dtype=torch.bfloat16)
-        with torch.no_grad():
-            assert torch.equal(model(**x).logits, reference(**x).logits)
+
+
+@pytest.mark.parametrize("fmt", ["s3d8", "int"])
+def test_from_pretrained_keeps_weights_packed_by_default(packed, fmt):
+    """The default computes in config.json's dtype (bf16) with the weights packed in memory: S3D8 on the native
+    kernels, the other formats decoded in each forward; the same numbers as load_packed_model with those options."""
+    from pipeline.native import S3D8Linear
+
+    path = packed / fmt
+    model = from_pretrained(path)
+    kernel = "native" if fmt == "s3d8" else "torch"
+    assert isinstance(model.model.language_model.layers[0].mlp.up_proj,
+                      S3D8Linear if kernel == "native" else LazyPackedLinear)
+    assert isinstance(model.model.language_model.embed_tokens, LazyPackedEmbedding)
+    assert model.dtype == torch.bfloat16
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    on_disk = weight_bytes(path)
+    assert held < 1.05 * on_disk, (held, on_disk)
+    decoded = from_pretrained(path, quantization_config=PackedQuantConfig(decode="eager", kernel="torch"))
+    assert sum(t.numel() * t.element_size() for t in decoded.state_dict().values()) > 2.5 * on_disk
+    reference = load_packed_model(path / "model.safetensors" if fmt == "s3d8" else path, kernel=kernel,
+                                  decode="lazy", dtype=torch.bfloat16)
+    x = inputs(model.config)
+    with torch.no_grad():
+        assert torch.equal(model(**x).logits, reference(**x).logits)
 
 
 def test_native_kernel_on_request(packed):
