@@ -22,20 +22,22 @@ class FitParams:
 
 
 def fit_model(fmt: FormatBase, source: str, seed: int = 0) -> tuple[dict[str, State], dict]:
-    """Fit ``fmt`` to every weight the recipe quantises in the checkpoint ``source``.
+    """Fit ``fmt`` to every weight the recipe quantises in the checkpoint ``source`` (Mllama or a text-only
+    Llama; a matrix tied to another, such as ``lm_head`` to ``embed_tokens``, is fitted once).
 
     Returns the states keyed by checkpoint path (``P`` of ``P.weight``) and a report: per matrix and
     overall, the relative RMSE of the quantised weight and the bits per parameter. All-zero rows (an
     embedding's padding row) are counted apart: their error is real but would drown every other row's."""
     root = local_dir(source)
-    names = quantised_weight_names(meta_model(load_config(str(root))))
+    # tied modules (a Llama's lm_head and embed_tokens) share one checkpoint tensor: fitted once
+    saved_names = list(dict.fromkeys(quantised_weight_names(meta_model(load_config(str(root)))).values()))
     reader = CheckpointReader(root)
     states, layers = {}, {}
     params = bits = err = energy = 0.0
     zero_rows_total = 0
     with progress() as bar:
-        task = bar.add_task(f"fit {fmt.name}", total=len(names))
-        for saved in names.values():
+        task = bar.add_task(f"fit {fmt.name}", total=len(saved_names))
+        for saved in saved_names:
             weight = reader.get(saved).float()
             try:
                 state = fmt.fit(weight, seed=seed)

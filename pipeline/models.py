@@ -1,8 +1,16 @@
 """Loading the teacher and naming its quantised weights, at any scale.
 
-The same calls serve the toy teacher (a local directory) and Llama 3.2 11B Vision Instruct (a hub id
-or a local directory). Quantised-weight names are derived from the model built on the ``meta``
-device, so listing the 11B model's weights costs no memory.
+The same calls serve the toy teacher (a local directory), Llama 3.2 11B Vision Instruct (a hub id or a
+local directory) and text-only Llama teachers (``LlamaForCausalLM``: SmolLM2, Llama 3.2 1B/3B, imported by
+``python -m pipeline.teacher import``). The config chooses the model class, no flag: a config the
+image-text-to-text auto class knows (Mllama) builds that model, any other a causal LM; a text-only model has
+a tokenizer where Mllama has a processor. Quantised-weight names are derived from the model built on the
+``meta`` device, so listing the 11B model's weights costs no memory.
+
+Tied weights (``tie_word_embeddings``: SmolLM2's ``lm_head`` is its ``embed_tokens``): the checkpoint holds
+the matrix once, under the embedding's name, and so does every file of this project. Both modules are
+quantised, as the one matrix they share: :func:`checkpoint_names` gives ``lm_head.weight`` the embedding's
+checkpoint name, so the fitted state, the packed tensors and the student's weight are the embedding's.
 """
 
 from __future__ import annotations
@@ -31,33 +39,58 @@ def load_config(source: str):
     return AutoConfig.from_pretrained(source)
 
 
-def load_model(source: str, dtype: torch.dtype = torch.bfloat16):
-    """``AutoModelForImageTextToText`` from a directory or hub id, in eval mode."""
+def is_text_only(config) -> bool:
+    """Whether ``config`` is a text-only model (a causal LM such as Llama), not an image-text-to-text one."""
     from transformers import AutoModelForImageTextToText
 
+    return type(config) not in AutoModelForImageTextToText._model_mapping
+
+
+def auto_class(config):
+    """The transformers auto class that builds ``config``'s model: image-text-to-text (Mllama) or causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForCausalLM if is_text_only(config) else AutoModelForImageTextToText
+
+
+def load_model(source: str, dtype: torch.dtype = torch.bfloat16):
+    """The teacher from a directory or hub id (Mllama or a text-only causal LM, as its config says), in eval mode."""
     source = str(local_dir(source))
-    model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype)
+    model = auto_class(load_config(source)).from_pretrained(source, dtype=dtype)
     return model.eval()
 
 
 def load_processor(source: str):
-    from transformers import AutoProcessor
+    """What turns prompts into ids: Mllama's processor, or a text-only model's tokenizer (with its chat template)."""
+    from transformers import AutoProcessor, AutoTokenizer
 
     source = str(local_dir(source))
+    if is_text_only(load_config(source)):
+        return AutoTokenizer.from_pretrained(source)
     return AutoProcessor.from_pretrained(source)
 
 
 def meta_model(config, dtype: torch.dtype | None = None):
     """The model skeleton on the meta device: names and shapes without memory."""
-    from transformers import AutoModelForImageTextToText
-
     with torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(config, **({"dtype": dtype} if dtype else {}))
+        return auto_class(config).from_config(config, **({"dtype": dtype} if dtype else {}))
+
+
+def checkpoint_names(model) -> dict[str, str]:
+    """:func:`pipeline.checkpoint.module_to_checkpoint_names`, with each tied parameter (transformers'
+    ``all_tied_weights_keys``: ``lm_head.weight`` -> ``model.embed_tokens.weight`` under ``tie_word_embeddings``)
+    given the checkpoint name of the parameter it is tied to: the one a checkpoint holds."""
+    names = module_to_checkpoint_names(model)
+    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if tied in names and source in names:
+            names[tied] = names[source]
+    return names
 
 
 def quantised_weight_names(model) -> dict[str, str]:
-    """``{module name: checkpoint name of its weight}`` for every module the recipe quantises."""
-    names = module_to_checkpoint_names(model)
+    """``{module name: checkpoint name of its weight}`` for every module the recipe quantises (tied modules
+    share a checkpoint name, see :func:`checkpoint_names`)."""
+    names = checkpoint_names(model)
     return {module: names[f"{module}.weight"] for module, _ in quantised_modules(model)}
 
 

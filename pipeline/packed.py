@@ -23,8 +23,9 @@ from torch import nn
 
 from pipeline import formats
 from pipeline.checkpoint import _DTYPES as _DTYPE_NAMES
-from pipeline.checkpoint import CheckpointReader, StreamingWriter, module_to_checkpoint_names
+from pipeline.checkpoint import CheckpointReader, StreamingWriter
 from pipeline.formats import FormatBase
+from pipeline.models import checkpoint_names, meta_model
 from pipeline.quant import fake_quant_activations
 from pipeline.recipe import Quantised, quantised_modules, replace
 
@@ -297,7 +298,7 @@ def _check_layer_counts(path, cfg, n_tensors: int, where: str = "") -> None:
 
 def _model_on_meta(path, meta: dict[str, str], config, dtype: torch.dtype, n_tensors: int) -> nn.Module:
     """The model skeleton on the ``meta`` device (no memory), from ``config`` or the file's metadata."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     if config is None:
         if "config" not in meta:
@@ -312,8 +313,7 @@ def _model_on_meta(path, meta: dict[str, str], config, dtype: torch.dtype, n_ten
             raise ValueError(f"{path}: metadata 'config' is not a valid model config "
                              f"({type(e).__name__}: {str(e)[:300]})") from None
     try:
-        with torch.device("meta"):
-            return AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        return meta_model(config, dtype)     # Mllama or a text-only Llama, as the config says
     except Exception as e:
         raise ValueError(f"{path}: metadata 'config' does not build a model "
                          f"({type(e).__name__}: {str(e)[:300]})") from None
@@ -411,7 +411,7 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     shapes = _logical_shapes(path, meta)
     keys = set(reader.keys())
     model = _model_on_meta(path, meta, config, dtype, len(keys))
-    names = module_to_checkpoint_names(model)
+    names = checkpoint_names(model)          # a tied lm_head reads the embedding's packed tensors
     to_module = {v: k for k, v in names.items()}
     targets = model.state_dict(keep_vars=True)           # meta tensors: names, shapes, dtypes
 

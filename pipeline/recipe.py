@@ -1,7 +1,11 @@
 """Which modules the recipe quantises (SPEC section 4), independent of how they are replaced.
 
 Every ``nn.Linear`` and ``nn.Embedding`` of the language and vision models, the projector and ``lm_head``
-included; 1-D parameters and the conv patch embedding stay as they are. A module that replaced one of
+included; 1-D parameters and the conv patch embedding stay as they are. In a text-only Llama
+(``LlamaForCausalLM``) that is every decoder Linear (``q/k/v/o_proj``, ``gate/up/down_proj``), the token
+embedding and ``lm_head``; RMSNorm weights and the rotary tables stay. Where ``lm_head`` is tied to
+``embed_tokens`` both modules are listed (each is replaced) but they hold one matrix, quantised once under the
+embedding's checkpoint name (``pipeline.models.checkpoint_names``). A module that replaced one of
 them (a fake-quantised module in QAT, a packed module at inference) subclasses :class:`Quantised`, so a
 model keeps the same list whatever state it is in. Everything above (models, QAT, packing) asks here.
 """

