@@ -106,10 +106,17 @@ def update(dvc_yaml: str | Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--update"]:
-        update(sys.argv[2] if len(sys.argv) > 2 else "dvc.yaml")
-    else:
-        for arg in sys.argv[1:]:
-            print(f"{arg}:")
-            for f in project_imports(arg):
-                print(f"  - {f}")
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pipeline.depgraph",
+                                     description="the project files a script imports, transitively")
+    parser.add_argument("scripts", nargs="*", help="scripts to list the imports of (e.g. stages/eval.py)")
+    parser.add_argument("--update", metavar="DVC_YAML", nargs="?", const="dvc.yaml",
+                        help="rewrite each stage's project deps in DVC_YAML (default dvc.yaml) from its command")
+    args = parser.parse_args()
+    if args.update:
+        update(args.update)
+    for arg in args.scripts:
+        print(f"{arg}:")
+        for f in project_imports(arg):
+            print(f"  - {f}")
