@@ -21,7 +21,12 @@ import numpy as np
 import torch
 
 from pipeline.checkpoint import StreamingWriter
-from pipeline.teacher import SourceError
+
+
+class SourceError(ValueError):
+    """A teacher source the import cannot use; the message is one line naming it (``pipeline.teacher`` raises
+    it too)."""
+
 
 ARCHITECTURE = "llama"          # the GGUF ``general.architecture`` this import reads
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from pipeline import gguf_import
+from pipeline.gguf_import import SourceError
+
 GGUF_PREFIX = "gguf:"
 PROVENANCE = "teacher_import.json"
 ARCHITECTURES = ("llama", "mllama")     # model types the library runs (text-only Llama, Mllama)
@@ -57,10 +60,6 @@ def local_dir(source: str) -> Path:
     except Exception as e:
         raise FileNotFoundError(f"teacher.source {source!r}: not available ({e}); download it where the "
                                 f"hub is reachable and point teacher.source at the directory") from None
-
-
-class SourceError(ValueError):
-    """A teacher source the import cannot use; the message is one line naming it."""
 
 
 def package_file(source: str) -> tuple[Path, dict]:
@@ -146,7 +145,6 @@ def _convert_hf_dir(src: Path, out: Path) -> dict:
 def import_teacher(source: str, out: str | Path) -> dict:
     """Write the bf16 Hugging Face directory of the teacher ``source`` at ``out`` (replaced whole, atomically).
     Returns the provenance record it also writes as ``teacher_import.json``."""
-    from pipeline import gguf_import
     from pipeline.io import atomic_dir, write_json
 
     record: dict = {"source": source}
