@@ -4,9 +4,13 @@ One step of the default config (params.yaml: qat.batch_size sequences, the toy t
 data/teacher, the fitted state in data/centroids, the GPTQ start from data/calibration), split into collate,
 teacher logits (a bf16 forward per step, or the gather from the once-computed cache), student forward (fake
 quantised weights and activations), KL, backward and optimizer; the plain step runs the same batch through the
-unquantised fp32 student. Per thread count, medians over the timed steps. Usage (after the upstream stages):
+unquantised fp32 student. Per thread count, medians over the timed steps. Then two levers on the fake-quant
+student's forward + KL + backward, weights held fixed, the same batches, each timed against the fp32 path in
+the same loop: bf16 autocast (``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward, the KL in
+fp32) and ``torch.compile`` (inductor); for each, how far the KL and the gradients land from fp32 (relative).
+Usage (after the upstream stages):
 
-    .venv/bin/python benchmarks/qat_throughput.py [--format s3d8] [--threads 1 2] [--steps 8]
+    .venv/bin/python benchmarks/qat_throughput.py [--format s3d8] [--threads 1 2] [--steps 8] [--no-compile]
 
 Writes reports/qat_throughput.json and reports/qat_throughput.md.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +39,73 @@ from pipeline.teacher import TeacherParams
 
 PARTS = ["collate", "teacher forward", "teacher cache gather", "student forward", "kl", "backward", "optimizer"]
 PLAIN = ["plain forward", "plain kl", "plain backward", "plain optimizer"]
+LOSS_RTOL, GRAD_RTOL = 1e-2, 5e-2     # "same results": bf16 keeps 8 mantissa bits (2**-8 = 0.4 %)
+PAYS = 1.1                            # a lever pays from a 10 % faster forward + KL + backward
+
+
+def _fwd_bwd(model, batch: dict, keep: torch.Tensor, target: torch.Tensor, bf16: bool) -> tuple[float, float, dict]:
+    """Seconds, KL and ``{name: grad}`` of one student forward + KL + backward (no optimizer step)."""
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        s = model(**batch).logits[keep]
+    kl = kl_sum(s, target)                     # log_softmax in fp32 either way
+    kl.backward()
+    seconds = time.perf_counter() - t0
+    return seconds, float(kl.detach()), {n.removeprefix("_orig_mod."): q.grad.detach().clone()
+                            for n, q in model.named_parameters() if q.grad is not None}
+
+
+def _rel_diffs(kl: float, grads: dict, ref_kl: float, ref: dict) -> tuple[float, float, float]:
+    """Relative difference of the KL, of all gradients as one vector (L2) and of the worst parameter's."""
+    if grads.keys() != ref.keys():
+        raise ValueError(f"gradients of {sorted(set(grads) ^ set(ref))[:3]} exist in one variant only")
+    num = sum(float((grads[n].float() - ref[n]).square().sum()) for n in ref)
+    den = sum(float(ref[n].square().sum()) for n in ref)
+    worst = max(float((grads[n].float() - ref[n]).norm() / ref[n].norm()) for n in ref if ref[n].norm() > 0)
+    return abs(kl - ref_kl) / abs(ref_kl), (num / den) ** 0.5, worst
+
+
+def _compare(name: str, variant, fp32, batches: list, steps: int, bf16: bool = False, limit_s: int = 0) -> dict:
+    """Time ``variant`` against ``fp32`` (the same module, or the module it compiles) step by step on the same
+    batches; the first call of each is the warm-up (for ``torch.compile`` the compile). With ``limit_s`` the whole
+    comparison (first call and timed steps, recompiles included) must end within it, or it is recorded as failed."""
+    out = {"steps_timed": steps}
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"{name}: compile and {steps} steps over {limit_s} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm) if limit_s else None
+    times, ref_times, loss, grad, worst, floor = [], [], [], [], [], []
+    try:
+        signal.alarm(limit_s)
+        first = _fwd_bwd(variant, *batches[0], bf16)[0]
+        _fwd_bwd(fp32, *batches[0], False)
+        for batch in batches[1:steps + 1]:
+            t_ref, kl_ref, g_ref = _fwd_bwd(fp32, *batch, False)
+            t, kl, g = _fwd_bwd(variant, *batch, bf16)
+            d = _rel_diffs(kl, g, kl_ref, g_ref)
+            times.append(t), ref_times.append(t_ref), loss.append(d[0]), grad.append(d[1]), worst.append(d[2])
+            if variant is fp32:                         # the fp32 path against itself: the noise floor
+                _, kl2, g2 = _fwd_bwd(fp32, *batch, False)
+                floor.append(max(_rel_diffs(kl2, g2, kl_ref, g_ref)[:2]))
+        signal.alarm(0)
+    except Exception as e:  # noqa: BLE001  (a failing lever is a result, recorded as such)
+        signal.alarm(0)
+        return {**out, "ok": False, "steps_done": len(times), "step_s_done": [round(t, 3) for t in times],
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGALRM, old)
+    step, ref = statistics.median(times), statistics.median(ref_times)
+    if floor:
+        out["fp32_repeat_rel_diff_max"] = float(f"{max(floor):.3g}")
+    return {**out, "ok": True, "first_call_s": round(first, 3), "step_s": round(step, 5), "step_s_max": round(max(times), 5),
+            "steps_over_5x_fp32": sum(t > 5 * ref for t in times),  # recompiles (a new padded length)
+            "fp32_step_s": round(ref, 5), "speedup": round(ref / step, 3),
+            "kl_rel_diff_max": float(f"{max(loss):.3g}"), "grad_rel_diff_max": float(f"{max(grad):.3g}"),
+            "grad_rel_diff_worst_param": float(f"{max(worst):.3g}"),
+            "same_results": max(loss) <= LOSS_RTOL and max(grad) <= GRAD_RTOL}
 
 
 def cpu_name() -> str:
@@ -49,7 +121,7 @@ def cpu_flags() -> list[str]:
     return sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
 
 
-def measure(fmt_name: str, threads: int, steps: int, params_path: str) -> dict:
+def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_limit_s: int) -> dict:
     torch.set_num_threads(threads)
     p = params.load(QATParams, "qat", params_path)
     teacher_p = params.load(TeacherParams, "teacher", params_path)
@@ -120,6 +192,28 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str) -> dict:
     step_cache = med["collate"] + med["teacher cache gather"] + student_s
     step_forward = med["collate"] + med["teacher forward"] + student_s
     tok = statistics.mean(tokens)
+    batches = []                                    # the same batches again, for the levers
+    for step in range(steps + 1):
+        picked = batch_indices(len(train_set), p.batch_size, step, p.seed)
+        batch = collate([train_set[i] for i in picked], processor, p.max_seq_len)
+        keep = batch.pop("loss_mask").bool()
+        batches.append((batch, keep, torch.cat([cache[i] for i in picked])))
+    rest = med["collate"] + med["teacher cache gather"] + med["optimizer"]
+    levers = {"autocast_bf16": _compare("autocast", student, student, batches, steps, bf16=True)}
+    if compile_limit_s:
+        t0 = time.perf_counter()
+        try:
+            compiled = torch.compile(student)
+            levers["torch_compile"] = _compare("torch.compile", compiled, student, batches, steps, limit_s=compile_limit_s)
+        except Exception as e:  # noqa: BLE001
+            levers["torch_compile"] = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+        levers["torch_compile"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    else:
+        levers["torch_compile"] = {"ok": False, "error": "not run (--no-compile)"}
+    for lever in levers.values():
+        if lever["ok"]:
+            lever["qat_step_s"] = {"teacher_cache": round(rest + lever["step_s"], 5)}
+            lever["tokens_per_s"] = {"teacher_cache": round(tok / (rest + lever["step_s"]), 1)}
     return {"threads": threads, "steps_timed": steps, "batch_size": p.batch_size,
             "tokens_per_step": tok, "padded_tokens_per_step": statistics.mean(padded),
             "seconds": {k: round(v, 5) for k, v in med.items()},
@@ -129,7 +223,19 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str) -> dict:
             "overhead_vs_plain": round(student_s / plain_s, 3),
             "fake_quant_forward_s": round(med["student forward"] - med["plain forward"], 5),
             "teacher_cache": {"seconds": round(cache_s, 2), "bytes": cache_bytes, "sequences": len(cache)},
-            "ptq_start_s": round(start_s, 2)}
+            "ptq_start_s": round(start_s, 2), "levers": levers}
+
+
+def verdict(name: str, lever: dict) -> str:
+    """A sentence: does the lever pay on this CPU, and is it adopted (no: not in this change)."""
+    if not lever["ok"]:
+        return f"{name}: no result ({lever['error']}); not adopted."
+    pays = lever["speedup"] >= PAYS and lever["same_results"]
+    why = (f"{lever['speedup']:.2f}x the fp32 forward + KL + backward, KL within {lever['kl_rel_diff_max']:.1e} and "
+           f"gradients within {lever['grad_rel_diff_max']:.1e} (relative L2) of fp32")
+    tol = "" if lever["same_results"] else f", outside the tolerance (KL {LOSS_RTOL:g}, gradients {GRAD_RTOL:g})"
+    return (f"{name}: {why}{tol}: {'pays' if pays else 'does not pay'} here "
+            f"(threshold {PAYS:g}x with same results). Not adopted: the training code is unchanged in this change.")
 
 
 def markdown(result: dict) -> str:
@@ -150,7 +256,35 @@ def markdown(result: dict) -> str:
         f"{r['threads']} thread(s): " + ", ".join(f"{k} {v:.4f}" for k, v in r["seconds"].items()) for r in result["runs"]),
         "", "Tokens are the real (unpadded) tokens of a step; a batch is padded to its longest sequence "
         f"({result['runs'][0]['tokens_per_step']:.0f} real of {result['runs'][0]['padded_tokens_per_step']:.0f} "
-        "padded positions on average).", "", result["note"], "", result["at_11b"], ""]
+        "padded positions on average).", "", "## Levers: bf16 autocast and torch.compile", "",
+        "The fake-quant student's forward + KL + backward (no optimizer step), weights held fixed, on the same "
+        "batches as above, each step timed against the fp32 path in the same loop; the QAT step column adds the "
+        "median collate, cache gather and optimizer. Autocast wraps the forward in "
+        "`torch.autocast(\"cpu\", dtype=torch.bfloat16)` (KL in fp32); compile is `torch.compile(student)` "
+        "(inductor), its first call includes the compile.", "",
+        "| threads | lever | first call (s) | fwd+KL+bwd (s) | fp32 (s) | speedup | QAT step, cached (s) | tokens/s | "
+        "KL rel. diff | grad rel. diff (all / worst tensor) | steps > 5x fp32 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["runs"]:
+        for name, v in r["levers"].items():
+            if not v["ok"]:
+                lines.append(f"| {r['threads']} | {name} | failed: {v['error']} | | | | | | | | |")
+                continue
+            lines.append(f"| {r['threads']} | {name} | {v['first_call_s']:.1f} | {v['step_s']:.3f} | {v['fp32_step_s']:.3f} | "
+                         f"{v['speedup']:.2f}x | {v['qat_step_s']['teacher_cache']:.3f} | "
+                         f"{v['tokens_per_s']['teacher_cache']:.0f} | {v['kl_rel_diff_max']:.1e} | "
+                         f"{v['grad_rel_diff_max']:.1e} / {v['grad_rel_diff_worst_param']:.1e} | "
+                         f"{v['steps_over_5x_fp32']} |")
+    run = result["runs"][0]
+    floor = run["levers"]["autocast_bf16"].get("fp32_repeat_rel_diff_max")
+    lines += ["", f"Rel. diff: max over the timed steps of |x - x_fp32| / |x_fp32| (gradients: all as one vector, and "
+              f"the worst single tensor); the fp32 path run twice differs by {floor} (noise floor). Steps over 5x the "
+              "fp32 time are recompiles (a new padded length). The fake quantiser maps values to bins, so even compile's "
+              "reordered fp32 arithmetic can move a value across a bin edge: its differences need not be zero.",
+              "", f"On {result['cpu']} at {run['threads']} thread(s): "
+              + verdict("bf16 autocast", run["levers"]["autocast_bf16"]) + " "
+              + verdict("torch.compile", run["levers"]["torch_compile"]),
+              "", result["note"], "", result["at_11b"], ""]
     return "\n".join(lines)
 
 
@@ -164,8 +298,8 @@ AT_11B = """## The levers at the 11B preset (configs/llama-3.2-11b-vision.yaml)
   index: 384 B per token, ~10 GB at 100 tokens) would change the loss to a truncated KL and is not implemented.
 - Padding: batches are padded to their longest sequence (not `max_seq_len`); at 512 tokens the waste depends on
   the response-length spread, as here.
-- bf16 autocast and torch.compile: not adopted (see README); at 11B on GPUs `launch.compute_dtype: bfloat16`
-  (FSDP2 mixed precision) is the bf16 lever."""
+- bf16 autocast and torch.compile: measured above on this CPU, not adopted (see README); at 11B on GPUs
+  `launch.compute_dtype: bfloat16` (FSDP2 mixed precision) is the bf16 lever."""
 
 
 def main() -> None:
@@ -176,11 +310,15 @@ def main() -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default="reports/qat_throughput")
     parser.add_argument("--note", default="", help="a line for the report (the conditions of the run)")
+    parser.add_argument("--compile-limit", type=int, default=600,
+                        help="seconds allowed for the torch.compile lever (compile and timed steps)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile lever")
     args = parser.parse_args()
     import os
 
     result = {"format": args.format, "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
-              "torch": torch.__version__, "runs": [measure(args.format, t, args.steps, args.params) for t in args.threads],
+              "torch": torch.__version__, "runs": [measure(args.format, t, args.steps, args.params, 0 if args.no_compile else args.compile_limit)
+                                                                   for t in args.threads],
               "note": args.note, "at_11b": AT_11B}
     write_json(f"{args.out}.json", result)
     write_text(f"{args.out}.md", markdown(result))
