@@ -19,7 +19,7 @@ from safetensors import safe_open
 from pipeline import ptq
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.params import non_negative, positive
-from pipeline.qat.data import collate, load_examples, split_heldout
+from pipeline.qat.data import collate, load_examples, model_inputs, split_heldout
 from pipeline.teacher import TeacherParams
 
 
@@ -57,8 +57,8 @@ def hessians(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, held
              pool: str | None = None, on_prompt=None) -> tuple[dict[str, torch.Tensor], dict]:
     """``({checkpoint weight name P (of P.weight): H float32 [d_in, d_in]}, summary)`` for every quantised
     Linear of the teacher."""
-    model = load_model(teacher.source, dtype_of(teacher.dtype))
-    processor = load_processor(teacher.source)
+    model = load_model(teacher.dir, dtype_of(teacher.dtype))
+    processor = load_processor(teacher.dir)
     train, _ = split_heldout(load_examples(teacher_data, token_ids(model.config)), heldout)
     if not train:
         raise ValueError(f"{teacher_data}: no training prompts to calibrate on (heldout_prompts={heldout})")
@@ -82,9 +82,7 @@ def hessians(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, held
 
 
 def _inputs(batch: dict, dtype: torch.dtype, on_prompt) -> dict:
-    batch = dict(batch)
-    batch.pop("loss_mask")
-    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    batch = model_inputs(batch, dtype)
     if on_prompt is not None:
         on_prompt()
     return batch

@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from pipeline.chat import is_text_only, tokenizer_of
 from pipeline.diversity import diversity
 from pipeline.images import load_image
 from pipeline.io import atomic_dir
@@ -43,7 +44,7 @@ class GenerateParams:
 
 def teacher_identity(teacher: TeacherParams) -> dict:
     """What identifies the teacher's weights without hashing gigabytes: config hash and file sizes."""
-    root = local_dir(teacher.source)
+    root = local_dir(teacher.dir)
     files = sorted(root.glob("*.safetensors"))
     return {"source": teacher.source, "dtype": teacher.dtype, "config": file_hash(root / "config.json"),
             "weights": {f.name: f.stat().st_size for f in files},
@@ -57,14 +58,20 @@ def generate_shard(model, processor, table: pa.Table, p: GenerateParams, shard_s
     ``sample.images`` spec) every image reference must lie inside that pool."""
     rows = table.to_pylist()
     stop = eos_ids(model, processor)
-    pad = processor.tokenizer.pad_token_id
+    tokenizer = tokenizer_of(processor)
+    pad = tokenizer.pad_token_id
     out = []
     for b, start in enumerate(range(0, len(rows), p.batch_size)):
         batch = rows[start:start + p.batch_size]
-        inputs = processor(images=[[load_image(r["image_ref"], pool)] for r in batch], text=[r["prompt"] for r in batch],
-                           add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+        text = [r["prompt"] for r in batch]
+        if is_text_only(processor):
+            inputs = tokenizer(text, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+        else:
+            inputs = processor(images=[[load_image(r["image_ref"], pool)] for r in batch], text=text,
+                               add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
         inputs = inputs.to(model.device)
-        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
         torch.manual_seed(shard_seed * 10_007 + b)
         sampling = {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p} if p.temperature > 0 \
             else {"do_sample": False}
@@ -76,7 +83,7 @@ def generate_shard(model, processor, table: pa.Table, p: GenerateParams, shard_s
             end = next((i + 1 for i, t in enumerate(gen) if t in stop), None)
             response = gen[:end] if end is not None else gen
             out.append({**r, "prompt_ids": ids[mask.bool()].tolist(), "response_ids": response,
-                        "response_text": processor.tokenizer.decode(response, skip_special_tokens=True),
+                        "response_text": tokenizer.decode(response, skip_special_tokens=True),
                         "finished": end is not None})
         if on_batch:
             on_batch(len(batch))
@@ -127,8 +134,8 @@ def run(p: GenerateParams, teacher: TeacherParams, in_dir: str | Path, out_dir: 
                       f"{len(pending)} to generate")
     if mine:
         device = accelerator.device
-        model = load_model(teacher.source, dtype_of(teacher.dtype)).to(device)
-        processor = load_processor(teacher.source)
+        model = load_model(teacher.dir, dtype_of(teacher.dtype)).to(device)
+        processor = load_processor(teacher.dir)
         total = sum(read_shard(j.source, PROMPT_COLUMNS)[0].num_rows for j in mine)
         with progress() as bar:
             task = bar.add_task("teacher answers", total=total)

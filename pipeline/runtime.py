@@ -574,7 +574,8 @@ def packed_file(path: str | Path) -> Path:
 def _processor_for(path: Path, meta: dict[str, str], tokenizer: str | None):
     from pipeline.models import load_processor
 
-    beside = path.parent if (path.parent / "processor_config.json").is_file() else None
+    beside = path.parent if any((path.parent / f).is_file() for f in ("processor_config.json", "tokenizer_config.json")) \
+        else None
     source = tokenizer or beside or meta.get("source_model")
     if source and Path(source).exists():
         return load_processor(str(source))
@@ -582,9 +583,9 @@ def _processor_for(path: Path, meta: dict[str, str], tokenizer: str | None):
 
 
 def _inputs(kind: str, processor, prompt: str, image: str | None, vocab: int) -> tuple[dict, object]:
-    if kind == "llama":
-        if image:
-            raise RuntimeInputError("--image: this model is a text-only Llama; images need an Mllama file")
+    if kind == "llama" and image:
+        raise RuntimeInputError("--image: this model is a text-only Llama; images need an Mllama file")
+    if kind == "llama" and processor is None:
         # no tokenizer ships with a synthetic model: UTF-8 bytes are the tokens (ids 3..258) after BOS 1
         ids = [1] + [3 + b for b in prompt.encode()]
         if max(ids) >= vocab:
@@ -593,8 +594,9 @@ def _inputs(kind: str, processor, prompt: str, image: str | None, vocab: int) ->
     if processor is None:
         raise RuntimeInputError("no tokenizer: no processor files beside the packed file and its 'source_model' is "
                                 "not a local directory; pass --tokenizer DIR")
-    from pipeline.chat import chat_prompt
+    from pipeline.chat import chat_prompt, tokenizer_of
 
+    tokenizer = tokenizer_of(processor)
     if image:
         from PIL import Image
         try:
@@ -603,20 +605,27 @@ def _inputs(kind: str, processor, prompt: str, image: str | None, vocab: int) ->
             raise RuntimeInputError(f"--image {image}: cannot read it as an image ({e})") from None
         text = chat_prompt(processor, prompt)     # begins with BOS: the processor must not add another
         inputs = dict(processor(images=[img], text=[text], return_tensors="pt", add_special_tokens=False))
+    elif tokenizer is processor:                  # a text-only model: its chat template over the text turn
+        text = chat_prompt(processor, prompt)
+        inputs = dict(processor([text], return_tensors="pt", add_special_tokens=False))
     else:
         messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = dict(processor(text=[text], return_tensors="pt", add_special_tokens=False))
     inputs = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    return inputs, lambda tokens: processor.tokenizer.decode(tokens, skip_special_tokens=True)
+    return inputs, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def eos_ids(model, processor) -> set[int]:
-    """The stop tokens of an Mllama model: its generation config's ``eos_token_id`` and ``<|eot_id|>`` (what
-    teacher-generate, eval and the CLI stop at)."""
+    """The stop tokens: the generation config's ``eos_token_id``, the tokenizer's EOS and, where the vocabulary
+    has it, Llama 3's ``<|eot_id|>`` (what teacher-generate, eval and the CLI stop at)."""
+    from pipeline.chat import tokenizer_of
+
+    tokenizer = tokenizer_of(processor)
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
-    return {int(e) for e in eos if e is not None} | {processor.tokenizer.convert_tokens_to_ids("<|eot_id|>")}
+    extra = [tokenizer.eos_token_id, tokenizer.get_vocab().get("<|eot_id|>")]
+    return {int(e) for e in eos + extra if e is not None}
 
 
 class TextStream:
@@ -695,7 +704,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.runtime"
         path = packed_file(args.model)
         kind, fmt = model_kind(path)
         _, meta, _ = read_header(path)
-        processor = _processor_for(path, meta, args.tokenizer) if kind == "mllama" else None
+        processor = _processor_for(path, meta, args.tokenizer)    # None: a synthetic Llama (byte tokens)
         cfg = json.loads(meta["config"])
         vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size", 0)
         inputs, detok = _inputs(kind, processor, args.prompt, args.image, vocab)
@@ -713,11 +722,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.runtime"
     except (ValueError, OSError) as e:         # RuntimeInputError, and what reading the files raises
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
-    eos = set()
-    if processor is not None:
-        eos = eos_ids(model, processor)
-    elif isinstance(model, LeanLlama):
-        eos = {t for t in model.eos if t is not None}
+    eos = {t for t in model.eos if t is not None} if isinstance(model, LeanLlama) else set()
+    if processor is not None and hasattr(model, "generation_config"):
+        eos |= eos_ids(model, processor)
+    elif processor is not None:
+        from pipeline.chat import tokenizer_of
+
+        eos |= {t for t in (tokenizer_of(processor).eos_token_id,) if t is not None}
     sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
     stream = TextStream(detok, eos)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from pipeline.chat import is_text_only
 from pipeline.images import image_refs
 from pipeline.io import atomic_dir
 from pipeline.models import load_processor
@@ -29,11 +30,14 @@ class SampleParams:
 
 
 def sample_prompts(p: SampleParams, teacher: TeacherParams, out_dir: str | Path) -> dict:
-    """Draw ``p.n_prompts`` prompts into shards of ``out_dir`` (replaced whole); returns statistics."""
+    """Draw ``p.n_prompts`` prompts into shards of ``out_dir`` (replaced whole); returns statistics. A text-only
+    teacher's prompts have no image (``image_ref`` null) and ``p.images`` is not read."""
     pool = load_pool(p.pool)
-    processor = load_processor(teacher.source)
+    processor = load_processor(teacher.dir)
+    text_only = is_text_only(processor)
+    refs = [None] * p.n_prompts if text_only else image_refs(p.images, p.n_prompts, p.seed)
     rows = []
-    for i, ref in enumerate(image_refs(p.images, p.n_prompts, p.seed)):
+    for i, ref in enumerate(refs):
         seed = p.seed * 1_000_003 + i
         drawn = sample(random.Random(seed), pool, p.sampler)
         rows.append({"index": i, "image_ref": ref, "prompt": render(drawn, processor),

@@ -34,7 +34,8 @@ K_MAX = 133_144                         # = pipeline.native.K_MAX (int32 accumul
 
 @dataclass
 class TeacherParams:
-    source: str = "data/toy-teacher"     # a local model directory or a hub id
+    source: str = "data/toy-teacher"     # where the teacher comes from: a local model directory, a hub id, a GGUF
+    dir: str = "models/teacher"          # its bf16 Hugging Face directory (teacher-import's output): what stages read
     dtype: str = "bfloat16"
     name: str = "toy-mllama"             # how reports call it
 
@@ -49,17 +50,20 @@ def local_dir(source: str) -> Path:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}: not a model directory (config.json missing); "
-                                    f"run `dvc repro toy-teacher` or set teacher.source")
+                                    f"run `dvc repro teacher-import` or set teacher.source")
         return path
-    if path.exists() or source.startswith((".", "/")) or source.count("/") != 1:
-        raise FileNotFoundError(f"teacher.source {source!r}: no such directory (and not a hub id 'org/name')")
+    missing = (f"{source!r}: no such directory (teacher.dir is teacher-import's output: `dvc repro teacher-import`)"
+               " and not a hub id 'org/name'")
+    if path.exists() or source.startswith((".", "/")) or source.count("/") != 1 \
+            or (path.parent.is_dir() and path.parent != Path(".")):
+        raise FileNotFoundError(missing)
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model"]))
     except Exception as e:
-        raise FileNotFoundError(f"teacher.source {source!r}: not available ({e}); download it where the "
-                                f"hub is reachable and point teacher.source at the directory") from None
+        raise FileNotFoundError(f"{missing} available here ({' '.join(str(e).split())[:200]}); download it where "
+                                f"the hub is reachable and point teacher.source at the directory") from None
 
 
 def package_file(source: str) -> tuple[Path, dict]:
@@ -150,10 +154,17 @@ def import_teacher(source: str, out: str | Path) -> dict:
     record: dict = {"source": source}
     if source.startswith(GGUF_PREFIX):
         path, record["package"] = package_file(source)
-    else:
+    elif Path(source).exists() or source.endswith(".gguf"):
         path = Path(source)
         if not path.exists():
             raise SourceError(f"teacher source {source!r}: no such file or directory")
+    else:
+        try:                                            # a hub id 'org/name' (cached, or downloaded once)
+            path = local_dir(source)
+        except FileNotFoundError as e:
+            raise SourceError(str(e)) from None
+    if path.resolve() == Path(out).resolve():
+        raise SourceError(f"teacher source {source!r}: the same directory as the output {out}")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SourceError(f"{path}: not a model directory (config.json missing)")

@@ -3,6 +3,10 @@
     python stages/eval.py
     python -m pipeline.launch stages/eval.py      # what dvc.yaml runs: launch.num_processes ranks share the models
 
+A text-only teacher (Llama) is measured instead by KL, top-1 agreement and perplexity (``pipeline/eval/text.py``),
+into the same files (``eval.json`` per model: format, method, bpp, size_mb, kl, top1_agreement, perplexity; a
+greedy generation sample per model in ``reports/answers/``).
+
 Writes ``reports/eval.json`` (per model: format, method, bpp, size_mb, kl, scores per task as lmms-eval scores the
 generations, avg; beside them ``scores_cleaned``: per model and task, ChartQA's answer cleaned up),
 ``reports/eval_scores.csv`` (score per task and model, for ``dvc plots``), ``reports/summary.md`` (the
@@ -23,7 +27,8 @@ from pipeline import params
 from pipeline.eval.suite import EvalParams, run
 from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.launch import run_stage
-from pipeline.report import plot_scores, scores_csv, summary_markdown
+from pipeline.eval.text import corpus_info
+from pipeline.report import plot_scores, scores_csv, summary_markdown, text_scores_csv, text_summary_markdown
 from pipeline.stage import console, run_log, set_threads, stage_errors
 from pipeline.teacher import TeacherParams
 
@@ -47,9 +52,17 @@ def main(argv: list[str] | None = None) -> None:
                 pq.write_table(table, out / f"{name}.parquet")
         write_json("reports/eval.json", result)
         write_json("reports/eval_baselines.json", {"blind": baselines})
-        write_text("reports/eval_scores.csv", scores_csv(result, p.tasks))
-        write_text("reports/summary.md", summary_markdown(result, p.tasks, baselines, teacher.name))
-        plot_scores(result, "reports/eval_plot.png")
+        if any("perplexity" in m for m in result["models"].values()):      # a text-only teacher
+            samples = {name: (t.column("prompt")[0].as_py(), t.column("response")[0].as_py())
+                       for name, t in answers.items()}
+            write_text("reports/eval_scores.csv", text_scores_csv(result))
+            write_text("reports/summary.md", text_summary_markdown(result, teacher.name, corpus_info(), samples))
+            plot_scores(result, "reports/eval_plot.png", key="top1_agreement",
+                        ylabel="top-1 agreement with the teacher", title="Top-1 agreement: direct cast vs QAT")
+        else:
+            write_text("reports/eval_scores.csv", scores_csv(result, p.tasks))
+            write_text("reports/summary.md", summary_markdown(result, p.tasks, baselines, teacher.name))
+            plot_scores(result, "reports/eval_plot.png")
         run_log("eval", seconds=round(time.perf_counter() - began, 1))
         console.print("[green]eval[/] wrote reports/eval.json, reports/summary.md, reports/eval_plot.png")
 

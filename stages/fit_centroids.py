@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         teacher = params.load(TeacherParams, "teacher", args.params)
         set_threads(fit.threads)
         began = time.perf_counter()
-        states, report = fit_model(fmt, teacher.source, fit.seed)
+        states, report = fit_model(fmt, teacher.dir, fit.seed)
         fmt.save_states(f"data/centroids/{fmt.name}.safetensors", states,
                         {"seed": fit.seed, "teacher": teacher.source, **versions()})
         write_json(f"reports/centroids/{fmt.name}.json", report["summary"])

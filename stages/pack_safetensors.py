@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         teacher = params.load(TeacherParams, "teacher", args.params)
         state_file = f"data/centroids/{fmt.name}.safetensors"
         states = check_states(fmt, fmt.load_states(state_file), state_file)
-        config = load_config(teacher.source).to_dict()
-        teacher_dir = local_dir(teacher.source)
+        config = load_config(teacher.dir).to_dict()
+        teacher_dir = local_dir(teacher.dir)
         calibration = Calibration(CALIBRATION if p.method == "gptq" else None)
         report = {}
         trained = qat_state(f"models/qat/{fmt.name}", fmt)

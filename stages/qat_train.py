@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         set_threads(p.threads)
         state_file = Path(f"data/centroids/{fmt.name}.safetensors")
         states = check_states(fmt, fmt.load_states(state_file), state_file)
-        vocab = token_ids(load_config(teacher.source))
+        vocab = token_ids(load_config(teacher.dir))
         train_set, _ = split_heldout(load_examples(args.teacher_data, vocab), heldout)
         # qat.init ptq starts from pack.method's direct cast (gptq reads the calibration); the table refit
         # weighs input channels by the calibration's diagonal when there is one
@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         # the thread count stays in: it sets the reduction order, so a checkpoint resumes on the count it was made on
         fp = fingerprint(asdict(p) | {"checkpoint_every": None}, fmt.name, file_hash(state_file),
                          [file_hash(s) for s in shard_paths(args.teacher_data)], heldout,
-                         file_hash(local_dir(teacher.source) / "config.json"),
+                         file_hash(local_dir(teacher.dir) / "config.json"),
                          method if p.init == "ptq" else None,
                          file_hash(CALIBRATION) if p.init == "ptq" and calibration.path else None)
         began = time.perf_counter()
-        summary = train(fmt, states, teacher.source, teacher.dtype, train_set, p,
+        summary = train(fmt, states, teacher.dir, teacher.dtype, train_set, p,
                         out_dir=f"models/qat/{fmt.name}", checkpoint=f"checkpoints/qat/{fmt.name}.safetensors",
                         live_dir=f"reports/qat/{fmt.name}", fingerprint=fp, start=start, importance=importance)
         if summary:

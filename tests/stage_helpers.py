@@ -34,7 +34,7 @@ def build_tiny_teacher(path: Path) -> Path:
 
 def tiny_params(teacher: Path, **overrides) -> dict:
     doc = yaml.safe_load((REPO / "params.yaml").read_text())
-    doc["teacher"]["source"] = str(teacher)
+    doc["teacher"]["source"] = doc["teacher"]["dir"] = str(teacher)     # teacher-import is not run here
     doc["formats"] = ["s3d8"]
     doc["heldout_prompts"] = 4
     doc["fit"]["threads"] = 1

@@ -83,3 +83,51 @@ def test_dvc_repro_ci_preset(tmp_path):
     status = _run([str(BIN / "dvc"), "status"], clone)
     assert "changed" not in status and "deleted" not in status, status
     assert "Running stage" not in _run([str(BIN / "dvc"), "repro"], clone)
+
+
+@pytest.mark.slow
+def test_dvc_repro_text_llama_slice(tmp_path):
+    """The text path (issue 25) as CI can run it: configs/smollm2-135m.yaml with the teacher swapped for a tiny
+    Llama GGUF the test writes (byte-level tokenizer, chat template), a few QAT steps on S3D8 and INT, then the
+    packed directory loads through transformers and `s3d8 generate` answers from it."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_teacher_import import byte_vocabulary, tiny_llama, write_tiny_llama_gguf
+
+    work = tmp_path / "repo"
+    work.mkdir()
+    _copy_tree(work)
+    _run(["git", "init", "-q"], work)
+    _run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "copy", "--allow-empty"], work)
+    vocab = byte_vocabulary()
+    gguf_path = write_tiny_llama_gguf(tmp_path / "tiny-llama.gguf", tiny_llama(vocab_size=len(vocab)), tokens=vocab)
+    (work / "slice.yaml").write_text(
+        f"teacher: {{source: {gguf_path}, name: tiny-llama}}\nformats: [s3d8, int]\nheldout_prompts: 8\n"
+        "sample: {n_prompts: 48, shard_size: 24}\ngenerate: {max_new_tokens: 12}\ncalibrate: {n_prompts: 16}\n"
+        "qat: {steps: 4, batch_size: 4, checkpoint_every: 2}\n"
+        "eval: {perplexity_tokens: 600, perplexity_window: 200, sample_tokens: 8}\n")
+    _run([str(BIN / "python"), "-m", "pipeline.params", "apply", "configs/smollm2-135m.yaml"], work)
+    _run([str(BIN / "python"), "-m", "pipeline.params", "apply", "slice.yaml"], work)
+    log = _run([str(BIN / "dvc"), "repro", "eval"], work)
+    assert "Running stage 'toy-teacher'" not in log
+
+    imported = json.loads((work / "models/teacher/teacher_import.json").read_text())
+    assert imported["kind"] == "gguf" and imported["file"] == "tiny-llama.gguf"
+    result = json.loads((work / "reports/eval.json").read_text())["models"]
+    assert set(result) == {"bf16-teacher", "s3d8-direct-cast", "s3d8-qat", "int-direct-cast", "int-qat"}
+    assert result["bf16-teacher"]["kl"] == 0 and result["bf16-teacher"]["top1_agreement"] == 1
+    for name, m in result.items():
+        assert m["perplexity"] > 1 and 0 <= m["top1_agreement"] <= 1 and m["kl"] >= 0, name
+    assert "Generation samples" in (work / "reports/summary.md").read_text()
+    history = (work / "reports/qat/s3d8/plots/metrics/train/kl.tsv").read_text().splitlines()
+    assert len(history) == 1 + 4                                   # 4 steps of KL on response tokens
+    status = _run([str(BIN / "dvc"), "status", "eval"], work)
+    assert "changed" not in status, status
+
+    packed = work / "models/packed/s3d8/qat"
+    check = ("import sys, torch, pipeline; from transformers import AutoModelForCausalLM; "
+             f"m = AutoModelForCausalLM.from_pretrained('{packed}'); "
+             "print(type(m).__name__, m.config.quantization_config.quant_method)")
+    assert _run([str(BIN / "python"), "-c", check], work).split()[-2:] == ["LlamaForCausalLM", "s3d8"]
+    out = _run([str(BIN / "python"), "-m", "pipeline.runtime", str(packed), "--prompt", "Explain the tides.",
+                "--max-new-tokens", "5"], work)
+    assert "[llama s3d8, lean" in out and "prompt 34 tokens" in out, out     # the chat template, not byte tokens

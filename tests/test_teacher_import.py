@@ -32,10 +32,18 @@ def vocabulary() -> list[str]:
     return SPECIALS + LETTERS + merged
 
 
-def tiny_llama(tied: bool = True, seed: int = 0, intermediate: int = 96):
+def byte_vocabulary() -> list[str]:
+    """The specials, GPT-2's 256 byte symbols and the merges of ``MERGES``: a byte-level BPE vocabulary that
+    encodes any text."""
+    from gguf.vocab import bytes_to_unicode
+
+    return SPECIALS + sorted(set(bytes_to_unicode().values())) + [a + b for a, b in (m.split(" ") for m in MERGES)]
+
+
+def tiny_llama(tied: bool = True, seed: int = 0, intermediate: int = 96, vocab_size: int | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=len(vocabulary()), hidden_size=64, intermediate_size=intermediate,
+    config = LlamaConfig(vocab_size=vocab_size or len(vocabulary()), hidden_size=64, intermediate_size=intermediate,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tied,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -50,10 +58,11 @@ def tiny_llama(tied: bool = True, seed: int = 0, intermediate: int = 96):
 
 
 def write_tiny_llama_gguf(path: Path, model=None, qtype: str = "F32", arch: str = "llama",
-                          intermediate_override: int | None = None) -> Path:
+                          intermediate_override: int | None = None, tokens: list[str] | None = None,
+                          merges: list[str] | None = None) -> Path:
     """``model`` (default :func:`tiny_llama`) as a llama.cpp-style GGUF: llama.cpp's tensor names, its q/k row
     permutation, 2-D weights in ``qtype`` (F32, F16 or Q8_0; 1-D tensors F32), a byte-level BPE tokenizer with
-    merges, special tokens and a chat template."""
+    merges (``tokens``/``merges``, default :func:`vocabulary`/``MERGES``), special tokens and a chat template."""
     from gguf import GGMLQuantizationType, GGUFWriter, MODEL_ARCH, get_tensor_name_map
     from gguf.quants import quantize
 
@@ -73,10 +82,10 @@ def write_tiny_llama_gguf(path: Path, model=None, qtype: str = "F32", arch: str 
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    tokens = vocabulary()
+    tokens = tokens or vocabulary()
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(MERGES)
+    w.add_token_merges(MERGES if merges is None else merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.qat.data import collate
+from pipeline.qat.data import collate, model_inputs
 from pipeline.qat.loss import response_kl_sum
 
 
@@ -24,9 +24,7 @@ class HeldoutKL:
     @staticmethod
     @torch.inference_mode()
     def logits(model, batch) -> torch.Tensor:
-        inputs = {k: v.to(model.device) for k, v in batch.items() if k != "loss_mask"}
-        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-        return model(**inputs).logits.float()
+        return model(**model_inputs(batch, model.dtype, model.device)).logits.float()
 
     def __call__(self, model) -> float:
         if not self.batches:

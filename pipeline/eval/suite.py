@@ -10,6 +10,7 @@ import pyarrow as pa
 import torch
 
 from pipeline import formats
+from pipeline.chat import is_text_only
 from pipeline.eval.kl import HeldoutKL
 from pipeline.eval.runner import evaluate
 from pipeline.eval.tasks import family_of, load_task
@@ -37,10 +38,11 @@ class EvalParams:
     kernel: str = "torch"      # "native": formats with a native kernel run on it (packed bytes, int32 dots)
     decode: str = "eager"      # "lazy": packed weights stay packed in memory, decoded per forward (the 11B's)
     threads: int = non_negative(1)
+    perplexity_tokens: int = positive(8192)   # text-only teachers: held-out corpus tokens perplexity is measured on
+    perplexity_window: int = positive(512)    # ... in windows of this many tokens
+    sample_tokens: int = positive(48)         # ... greedy tokens of the generation sample per model
 
     def __post_init__(self) -> None:
-        if not self.tasks:
-            raise ValueError("eval.tasks: name at least one task")
         if self.decode not in DECODES:
             raise ValueError(f"eval.decode: {self.decode!r} is not one of {', '.join(DECODES)}")
 
@@ -89,14 +91,18 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
             path = packed_path(fmt.name, method)
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: packed model not found (run pack-safetensors for {fmt.name})")
+    processor = load_processor(teacher_p.dir)
+    if is_text_only(processor):
+        return _run_text(p, teacher_p, chosen, heldout, teacher_data, processor, state)
+    if not p.tasks:
+        raise ValueError("eval.tasks: name at least one task")
     for task in p.tasks:
         family_of(task)
-    processor = load_processor(teacher_p.source)
-    teacher = load_model(teacher_p.source, dtype_of(teacher_p.dtype)).to(device)
+    teacher = load_model(teacher_p.dir, dtype_of(teacher_p.dtype)).to(device)
     tasks = {name: load_task(name, p.n, p.seed, p.sources.get(name)) for name in p.tasks}
     _, held = split_heldout(load_examples(teacher_data, token_ids(teacher.config)), heldout)
     kl = HeldoutKL(teacher, processor, held, p.kl_batch_size, p.max_seq_len)
-    teacher_bytes = sum(f.stat().st_size for f in local_dir(teacher_p.source).glob("*.safetensors"))
+    teacher_bytes = sum(f.stat().st_size for f in local_dir(teacher_p.dir).glob("*.safetensors"))
     jobs = _jobs([f.name for f in chosen], p.blind_baseline)
     done = []
     for job in jobs[state.process_index::state.num_processes]:
@@ -131,3 +137,50 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
         else:
             models[job.name], cleaned[job.name], answers[job.name] = record, scores_cleaned, examples
     return {"models": models, "scores_cleaned": cleaned}, baselines, answers
+
+
+def _run_text(p: EvalParams, teacher_p: TeacherParams, chosen: list, heldout: int, teacher_data: str, tokenizer,
+              state) -> tuple[dict, dict, dict[str, pa.Table]]:
+    """A text-only teacher: per model KL to the teacher and top-1 agreement on the held-out teacher answers,
+    perplexity on the held-out corpus (:mod:`pipeline.eval.text`), and a greedy generation sample for the first
+    held-out prompt. ``({"models": {name: {format, method, bpp, size_mb, kl, top1_agreement, perplexity}}},
+    {}, {name: sample table})``. One process scores every model (a 135M model takes seconds per model)."""
+    from pipeline.eval.text import TextReference, corpus_windows, hf_logits_fn
+
+    if state.num_processes > 1:
+        raise ValueError("eval of a text-only teacher runs on one process: set launch.num_processes=1")
+    device = state.device
+    teacher = load_model(teacher_p.dir, dtype_of(teacher_p.dtype)).to(device)
+    _, held = split_heldout(load_examples(teacher_data, token_ids(teacher.config)), heldout)
+    console.print(f"eval: the teacher's side ({len(held)} held-out answers, {p.perplexity_tokens} corpus tokens)")
+    reference = TextReference.build(teacher, tokenizer, held, corpus_windows(tokenizer, p.perplexity_tokens,
+                                                                             p.perplexity_window), p.max_seq_len)
+    teacher_bytes = sum(f.stat().st_size for f in local_dir(teacher_p.dir).glob("*.safetensors"))
+    prompt = torch.tensor([list(held[0].prompt_ids)])
+    models, answers = {}, {}
+    for job in _jobs([f.name for f in chosen], blind=False):
+        console.print(f"eval: {job.name}")
+        if job.method == "teacher":
+            model, bpp, size_mb = teacher, 16.0, teacher_bytes / 1e6
+        else:
+            fmt = formats.get(job.fmt)
+            path = packed_path(job.fmt, job.method)
+            bpp, size_mb = float(read_metadata(path)["bits_per_param_nominal"]), path.stat().st_size / 1e6
+            model = load_packed_model(path, act_quant=p.act_quant, kernel=p.kernel if fmt.native_kernel else "torch",
+                                      decode=p.decode).to(device)
+        scores = reference.score(hf_logits_fn(model))
+        with torch.inference_mode():
+            out = model.generate(input_ids=prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
+                                 do_sample=False, max_new_tokens=p.sample_tokens,
+                                 pad_token_id=tokenizer.pad_token_id)[0, prompt.shape[1]:].tolist()
+        models[job.name] = {"format": job.fmt, "method": job.method, "bpp": bpp, "size_mb": size_mb,
+                            "kl": 0.0 if job.method == "teacher" else scores["kl"],
+                            "top1_agreement": scores["top1_agreement"], "perplexity": scores["perplexity"]}
+        answers[job.name] = pa.Table.from_pylist([{
+            "index": held[0].index, "prompt": tokenizer.decode(list(held[0].prompt_ids)),
+            "response": tokenizer.decode(out, skip_special_tokens=True), "response_ids": out,
+            "teacher_response": tokenizer.decode(list(held[0].response_ids), skip_special_tokens=True)}])
+        console.print(f"  KL {models[job.name]['kl']:.4f}  top-1 {scores['top1_agreement']:.3f}  "
+                      f"perplexity {scores['perplexity']:.2f}")
+        del model
+    return {"models": models}, {}, answers

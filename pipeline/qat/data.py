@@ -1,4 +1,5 @@
-"""Training sequences for distillation: the teacher's prompts and answers, batched for Mllama.
+"""Training sequences for distillation: the teacher's prompts and answers, batched for Mllama or a text-only
+Llama (no image inputs).
 
 A sequence is the prompt's token ids followed by the teacher's response ids (its end-of-turn token
 included), cut to ``max_seq_len``; the loss mask marks the positions whose *next* token is a response
@@ -19,6 +20,7 @@ from transformers.models.mllama.processing_mllama import (
     get_cross_attention_token_mask,
 )
 
+from pipeline.chat import is_text_only, tokenizer_of
 from pipeline.images import load_image
 from pipeline.shards import read_shard, shard_paths
 
@@ -28,7 +30,7 @@ COLUMNS = ["index", "image_ref", "prompt_ids", "response_ids"]
 @dataclass(frozen=True)
 class Example:
     index: int
-    image_ref: str
+    image_ref: str | None          # None: a text-only prompt
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
 
@@ -54,8 +56,9 @@ def _example(path: Path, row: dict, vocab_size: int | None) -> Example:
     index = row["index"]
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"{path}: row index {index!r}: expected a whole number >= 0")
-    if not isinstance(row["image_ref"], str) or not row["image_ref"]:
-        raise ValueError(f"{path}: prompt {index}: image_ref {row['image_ref']!r} is not a reference string")
+    if row["image_ref"] is not None and (not isinstance(row["image_ref"], str) or not row["image_ref"]):
+        raise ValueError(f"{path}: prompt {index}: image_ref {row['image_ref']!r} is not a reference string "
+                         f"(or null, for a text-only prompt)")
     ids = {}
     for column in ("prompt_ids", "response_ids"):
         values = row[column]
@@ -114,7 +117,7 @@ def collate(examples: list[Example], processor, max_seq_len: int,
         seqs.append(ids)
         masks.append(mask)
     length = max(len(s) for s in seqs)
-    pad = processor.tokenizer.pad_token_id
+    pad = tokenizer_of(processor).pad_token_id
     input_ids = torch.full((len(seqs), length), pad, dtype=torch.long)
     attention = torch.zeros((len(seqs), length), dtype=torch.long)
     loss_mask = torch.zeros((len(seqs), length), dtype=torch.long)
@@ -122,6 +125,14 @@ def collate(examples: list[Example], processor, max_seq_len: int,
         input_ids[i, :len(s)] = torch.tensor(s)
         attention[i, :len(s)] = 1
         loss_mask[i, :len(m)] = torch.tensor(m)
+    if is_text_only(processor):
+        if any(e.image_ref is not None for e in examples):
+            raise ValueError(f"prompt {next(e.index for e in examples if e.image_ref is not None)}: an image "
+                             f"reference, but the teacher is a text-only model")
+        return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+    missing = [e.index for e in examples if e.image_ref is None]
+    if missing:
+        raise ValueError(f"prompt {missing[0]}: no image reference, but the teacher is an image-text model")
     images = processor.image_processor(images=[[load_image(e.image_ref, pool)] for e in examples], return_tensors="pt")
     num_tiles = images.pop("num_tiles")
     sparse = [get_cross_attention_token_mask(s, processor.image_token_id) for s in seqs]
@@ -131,6 +142,15 @@ def collate(examples: list[Example], processor, max_seq_len: int,
     return {"input_ids": input_ids, "attention_mask": attention, "cross_attention_mask": torch.from_numpy(cross),
             "pixel_values": images["pixel_values"], "aspect_ratio_ids": images["aspect_ratio_ids"],
             "aspect_ratio_mask": images["aspect_ratio_mask"], "loss_mask": loss_mask}
+
+
+def model_inputs(batch: dict[str, torch.Tensor], dtype: torch.dtype, device=None) -> dict[str, torch.Tensor]:
+    """What the model takes of a :func:`collate` batch: everything but ``loss_mask``, on ``device`` when given,
+    with the image pixels (Mllama's only) in the model's ``dtype``."""
+    out = {k: (v.to(device) if device is not None else v) for k, v in batch.items() if k != "loss_mask"}
+    if "pixel_values" in out:
+        out["pixel_values"] = out["pixel_values"].to(dtype)
+    return out
 
 
 def check_heldout(value) -> int:

@@ -59,18 +59,23 @@ def device() -> torch.device:
 
 def sharding_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules that become FSDP2 units, innermost first (the root is sharded last, by the caller)."""
-    from transformers import MllamaForConditionalGeneration
+    from transformers import LlamaForCausalLM, MllamaForConditionalGeneration
 
-    if not isinstance(model, MllamaForConditionalGeneration):
-        raise ValueError(f"launch.strategy=fsdp2 shards Mllama models (MllamaForConditionalGeneration) only; "
-                         f"this model is a {type(model).__name__} (use launch.strategy=ddp)")
-    inner = model.model
-    units = [(f"model.vision_model.transformer.layers.{i}", m) for i, m in enumerate(inner.vision_model.transformer.layers)]
-    units += [(f"model.vision_model.global_transformer.layers.{i}", m)
-              for i, m in enumerate(inner.vision_model.global_transformer.layers)]
-    units += [(f"model.language_model.layers.{i}", m) for i, m in enumerate(inner.language_model.layers)]
-    tied = model.lm_head.weight is inner.language_model.embed_tokens.weight
-    units.append(("model.language_model.embed_tokens", inner.language_model.embed_tokens))
+    if isinstance(model, MllamaForConditionalGeneration):
+        inner = model.model
+        units = [(f"model.vision_model.transformer.layers.{i}", m)
+                 for i, m in enumerate(inner.vision_model.transformer.layers)]
+        units += [(f"model.vision_model.global_transformer.layers.{i}", m)
+                  for i, m in enumerate(inner.vision_model.global_transformer.layers)]
+        language, prefix = inner.language_model, "model.language_model"
+    elif isinstance(model, LlamaForCausalLM):
+        units, language, prefix = [], model.model, "model"
+    else:
+        raise ValueError(f"launch.strategy=fsdp2 shards Mllama (MllamaForConditionalGeneration) and Llama "
+                         f"(LlamaForCausalLM) models; this model is a {type(model).__name__} (use launch.strategy=ddp)")
+    units += [(f"{prefix}.layers.{i}", m) for i, m in enumerate(language.layers)]
+    tied = model.lm_head.weight is language.embed_tokens.weight
+    units.append((f"{prefix}.embed_tokens", language.embed_tokens))
     if not tied:                                  # tied: one unit holds the shared weight
         units.append(("lm_head", model.lm_head))
     return units

@@ -40,7 +40,7 @@ from pipeline.models import (dtype_of, load_config, load_model, load_processor, 
                              states_by_module)
 from pipeline.params import bounded, non_negative, positive
 from pipeline.qat.api import prepare
-from pipeline.qat.data import Example, batch_indices, collate
+from pipeline.qat.data import Example, batch_indices, collate, model_inputs
 from pipeline.qat.loss import kl_sum
 from pipeline.qat.modules import _FakeQuant, learned_scale
 from pipeline.recipe import quantised_modules
@@ -229,7 +229,7 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
 
 
 def _teacher_forward(teacher, batch: dict, dtype: torch.dtype) -> torch.Tensor:
-    return teacher(**{**batch, "pixel_values": batch["pixel_values"].to(dtype)}).logits
+    return teacher(**model_inputs(batch, dtype)).logits
 
 
 def teacher_logits(teacher, examples: list[Example], processor, max_seq_len: int, batch_size: int, device,

@@ -1,0 +1,31 @@
+"""DVC stage teacher-import: the teacher as the bf16 Hugging Face directory every later stage reads.
+
+    python stages/teacher_import.py
+
+Reads ``teacher.source`` (a local Hugging Face directory, a hub id, a ``.gguf`` file or
+``gguf:<pip distribution>:<file>``) and writes ``teacher.dir`` (config, ``model.safetensors`` in bf16, tokenizer
+and chat template, generation config, ``teacher_import.json`` naming the source, its package version and hash),
+replaced whole. The same as ``python -m pipeline.teacher import SOURCE OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline import params
+from pipeline.stage import console, stage_errors
+from pipeline.teacher import TeacherParams, import_teacher
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    with stage_errors("teacher-import"):
+        teacher = params.load(TeacherParams, "teacher", args.params)
+        record = import_teacher(teacher.source, teacher.dir)       # a SourceError is a ValueError: one line
+        console.print(f"[green]teacher-import[/] {teacher.source} -> {teacher.dir} ({record['kind']})")
+
+
+if __name__ == "__main__":
+    main()
