@@ -175,13 +175,20 @@ def _child_llama_cpp(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     vocab = llm.n_vocab()
 
+    import llama_cpp
+
+    def last_logits() -> np.ndarray:
+        # llama-cpp-python 0.3.36 fills ``Llama.scores`` only with logits_all=True: read the last position's
+        # logits from llama.cpp itself (as its samplers do; reading them is also where llama.cpp synchronises)
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(vocab,))
+
     def run(prompt: list[int], new: int):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
         stamps, toks = [], []
         for i in range(new):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits()))
             toks.append(tok)
             stamps.append(time.perf_counter())
             if i < new - 1:
