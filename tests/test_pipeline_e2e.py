@@ -127,7 +127,7 @@ def test_dvc_repro_text_llama_slice(tmp_path):
     check = ("import sys, torch, pipeline; from transformers import AutoModelForCausalLM; "
              f"m = AutoModelForCausalLM.from_pretrained('{packed}'); "
              "print(type(m).__name__, m.config.quantization_config.quant_method)")
-    assert _run([str(BIN / "python"), "-c", check], work).split()[-2:] == ["LlamaForCausalLM", "s3d8"]
+    assert "LlamaForCausalLM s3d8" in _run([str(BIN / "python"), "-c", check], work)
     out = _run([str(BIN / "python"), "-m", "pipeline.runtime", str(packed), "--prompt", "Explain the tides.",
                 "--max-new-tokens", "5"], work)
     assert "[llama s3d8, lean" in out and "prompt 34 tokens" in out, out     # the chat template, not byte tokens

@@ -862,9 +862,9 @@ def _defaults() -> dict:
     except Exception:  # no or unreadable params.yaml: the built-in defaults
         return {}
     teacher, ev = p.get("teacher"), p.get("eval")
-    return {"teacher": getattr(teacher, "source", None), "heldout": p.get("heldout_prompts"),
-            "max_seq_len": getattr(ev, "max_seq_len", None),
-            "act_quant": getattr(ev, "act_quant", None)}
+    return {"teacher": getattr(teacher, "dir", None), "heldout": p.get("heldout_prompts"),
+            "max_seq_len": getattr(ev, "max_seq_len", None), "act_quant": getattr(ev, "act_quant", None),
+            "ppl_tokens": getattr(ev, "perplexity_tokens", None), "ppl_window": getattr(ev, "perplexity_window", None)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -874,7 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(issue 25): reports/real_model.{json,md,png}")
     ap.add_argument("--teacher", default=d.get("teacher"),
                     help="the teacher's bf16 Hugging Face directory (python -m pipeline.teacher import ...); "
-                         "default: params.yaml teacher.source (%(default)s)")
+                         "default: params.yaml teacher.dir (%(default)s)")
     ap.add_argument("--name", help="how the report calls the teacher (default: its directory's name)")
     ap.add_argument("--source-gguf", help="the GGUF whose fields (tokenizer, chat template, hyperparameters) the bf16 "
                                           "GGUF copies and which is measured as shipped; default: the file the "
@@ -886,9 +886,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-seq-len", type=int, default=d.get("max_seq_len") or 160,
                     help="held-out sequences cut to this many tokens (default: params.yaml eval.max_seq_len, "
                          "%(default)s)")
-    ap.add_argument("--ppl-tokens", type=int, default=8192,
-                    help="perplexity over the first N held-out corpus tokens (default %(default)s)")
-    ap.add_argument("--ppl-window", type=int, default=512, help="perplexity window in tokens (default %(default)s)")
+    ap.add_argument("--ppl-tokens", type=int, default=d.get("ppl_tokens") or 8192,
+                    help="perplexity over the first N held-out corpus tokens (default: params.yaml "
+                         "eval.perplexity_tokens, %(default)s)")
+    ap.add_argument("--ppl-window", type=int, default=d.get("ppl_window") or 512,
+                    help="perplexity window in tokens (default: params.yaml eval.perplexity_window, %(default)s)")
     ap.add_argument("--packed", default=str(ROOT / "models" / "packed"),
                     help="folder of our packed models, <format>/<method>/model.safetensors; those of another model "
                          "are skipped with a note; '' for none (default %(default)s)")
