@@ -64,6 +64,18 @@ def _jobs(fmts: list[str], blind: bool) -> list[_Job]:
     return jobs + [_Job(f"{f}-{m}", f, m) for f in fmts for m in METHODS]
 
 
+def _model_of(job: _Job, p: EvalParams, teacher, teacher_bytes: int, device):
+    """``(model, bpp, size_mb)`` of a job: the teacher itself, or a packed model loaded as ``p`` says."""
+    if job.method in ("teacher", "blind"):
+        return teacher, 16.0, teacher_bytes / 1e6
+    fmt = formats.get(job.fmt)
+    path = packed_path(job.fmt, job.method)
+    bpp, size_mb = float(read_metadata(path)["bits_per_param_nominal"]), path.stat().st_size / 1e6
+    model = load_packed_model(path, act_quant=p.act_quant, kernel=p.kernel if fmt.native_kernel else "torch",
+                              decode=p.decode).to(device)
+    return model, bpp, size_mb
+
+
 def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
         teacher_data: str) -> tuple[dict, dict, dict[str, pa.Table]]:
     """``({"models": {name: {format, method, bpp, size_mb, kl, scores, avg}}, "scores_cleaned": {name:
@@ -108,14 +120,7 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
     for job in jobs[state.process_index::state.num_processes]:
         console.print(f"eval: {job.name}" + (" (blank images)" if job.method == "blind" else "")
                       + (f" on rank {state.process_index}" if state.num_processes > 1 else ""))
-        if job.method in ("teacher", "blind"):
-            model, bpp, size_mb = teacher, 16.0, teacher_bytes / 1e6
-        else:
-            fmt = formats.get(job.fmt)
-            path = packed_path(job.fmt, job.method)
-            bpp, size_mb = float(read_metadata(path)["bits_per_param_nominal"]), path.stat().st_size / 1e6
-            model = load_packed_model(path, act_quant=p.act_quant, kernel=p.kernel if fmt.native_kernel else "torch",
-                                      decode=p.decode).to(device)
+        model, bpp, size_mb = _model_of(job, p, teacher, teacher_bytes, device)
         result = evaluate(model, processor, tasks, batch_size=p.batch_size, progress=job.method != "blind",
                           blank_image=job.method == "blind")
         scores = {t: float(s) for t, s in result.scores.items()}
@@ -160,14 +165,7 @@ def _run_text(p: EvalParams, teacher_p: TeacherParams, chosen: list, heldout: in
     models, answers = {}, {}
     for job in _jobs([f.name for f in chosen], blind=False):
         console.print(f"eval: {job.name}")
-        if job.method == "teacher":
-            model, bpp, size_mb = teacher, 16.0, teacher_bytes / 1e6
-        else:
-            fmt = formats.get(job.fmt)
-            path = packed_path(job.fmt, job.method)
-            bpp, size_mb = float(read_metadata(path)["bits_per_param_nominal"]), path.stat().st_size / 1e6
-            model = load_packed_model(path, act_quant=p.act_quant, kernel=p.kernel if fmt.native_kernel else "torch",
-                                      decode=p.decode).to(device)
+        model, bpp, size_mb = _model_of(job, p, teacher, teacher_bytes, device)
         scores = reference.score(hf_logits_fn(model))
         with torch.inference_mode():
             out = model.generate(input_ids=prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
