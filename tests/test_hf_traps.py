@@ -20,21 +20,7 @@ from pipeline import formats
 from pipeline.checkpoint import CheckpointReader
 from pipeline.hf import HINT_KEY, INDEX_NAME, INSTALL, MODEL_TYPE, PackedQuantConfig, guard_model_type, write_model_dir
 from pipeline.packed import load_packed_model, read_metadata
-from tests.stage_helpers import build_tiny_teacher
-from tests.test_hf import SHARD_LIMIT, from_pretrained, inputs, write
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    return build_tiny_teacher(tmp_path_factory.mktemp("teacher"))
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory, teacher):
-    root = tmp_path_factory.mktemp("packed")
-    write(teacher, "s3d8", root / "s3d8")
-    write(teacher, "int", root / "int", max_shard_size=SHARD_LIMIT)
-    return root
+from tests.test_hf import SHARD_LIMIT, from_pretrained, inputs, packed, teacher, write  # noqa: F401  (the fixtures)
 
 
 def logits(model, config=None) -> torch.Tensor:
