@@ -323,14 +323,15 @@ def scalar_pack_codes(codes: torch.Tensor, d_out: int, d_in: int) -> torch.Tenso
 
 
 def scalar_search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
-                  rounds: int = ROUNDS) -> tuple[torch.Tensor, torch.Tensor]:
+                  rounds: int = ROUNDS, codepoints: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``search`` method for a 6-level format: ``(codepoints, scale bf16 [d_out, n_blocks])``.
+    ``codepoints``: ``fmt.fit(weight, seed=seed)``'s when already at hand (fitted otherwise).
 
     Per block: the clipping grid, then least squares, each block keeping its best candidate; lloyd-max
     (``block is None``, code points fitted to the data) also refits its code points, weighted, on the
     searched normalisation, alternating ``rounds`` times."""
     w, hb = _scalar_parts(fmt, weight, _weights(importance, weight.shape[1]))
-    codepoints = fmt.fit(weight, seed=seed)["codepoints"].float()
+    codepoints = (fmt.fit(weight, seed=seed)["codepoints"] if codepoints is None else codepoints).float()
     absmax = w.abs().amax(-1)
 
     def block_err(cp, scale):
@@ -403,12 +404,14 @@ def scalar_gptq(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int =
 # --- the contract -----------------------------------------------------------------------------------
 
 def pack(name: str, weight: torch.Tensor, *, method: str | None = None, importance: torch.Tensor | None = None,
-         hessian: torch.Tensor | None = None, seed: int = 0,
+         hessian: torch.Tensor | None = None, seed: int = 0, fitted: dict[str, torch.Tensor] | None = None,
          compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The packed tensors (``{suffix: tensor}``, as ``formats.get(name).pack`` lays them out) of ``weight``
     cast to format ``name`` by ``method`` (None: ``DEFAULT_METHOD``; ``absmax``, the only one, for the formats
-    outside the comparison: int8, bf16). What a packer writes. ``compensated`` (float32 ``[d_out, d_in]``, for
-    :func:`start`) receives GPTQ's error-compensated weights when the method runs GPTQ, else stays untouched."""
+    outside the comparison: int8, bf16). What a packer writes. ``fitted``: the format's ``fit(weight, seed)``
+    when already at hand (stage fit-centroids' state of this weight), which every method starts from; fitted here
+    otherwise. ``compensated`` (float32 ``[d_out, d_in]``, for :func:`cast`) receives GPTQ's error-compensated
+    weights when the method runs GPTQ, else stays untouched."""
     from pipeline import formats
 
     fmt = formats.get(name)
@@ -422,22 +425,26 @@ def pack(name: str, weight: torch.Tensor, *, method: str | None = None, importan
     if method == "absmax" or not fmt.comparison:
         if method != "absmax":
             raise ValueError(f"method {method!r}: format {name!r} has only 'absmax'")
-        return fmt.pack(weight.detach(), fmt.fit(weight, seed=seed))
+        return fmt.pack(weight.detach(), fmt.fit(weight, seed=seed) if fitted is None else fitted)
     if method == "gptq" and hessian is None:
         method = "search"          # the diagonal alone gives no error feedback: exactly the weighted search
     if hessian is not None and method == "search":
         importance = hessian.diagonal().contiguous()
     w = weight.detach().float()
     if fmt.name == s3d8.NAME:
+        table = None if fitted is None else fitted["table"]
         if method == "gptq":
-            packed, scale, table = s3d8_gptq(w, hessian, seed=seed, compensated=compensated)
+            start = s3d8_search(w, hessian.diagonal(), seed=seed, table=table)
+            packed, scale, table = s3d8_gptq(w, hessian, seed=seed, start=start, compensated=compensated)
             return {"packed": packed.reshape(-1), "scale": scale, "table": table}
-        table, scale = s3d8_search(w, importance, seed=seed)
+        table, scale = s3d8_search(w, importance, seed=seed, table=table)
         return pack_at_scale(name, w, {"table": table}, scale)
+    codepoints = None if fitted is None else fitted["codepoints"]
     if method == "gptq":
-        codes, scale, codepoints = scalar_gptq(fmt, w, hessian, seed=seed, compensated=compensated)
+        start = scalar_search(fmt, w, hessian.diagonal(), seed=seed, codepoints=codepoints)
+        codes, scale, codepoints = scalar_gptq(fmt, w, hessian, seed=seed, start=start, compensated=compensated)
         return {"codes": codes, "scale": scale, "codepoints": codepoints}
-    codepoints, scale = scalar_search(fmt, w, importance, seed=seed)
+    codepoints, scale = scalar_search(fmt, w, importance, seed=seed, codepoints=codepoints)
     return pack_at_scale(name, w, {"codepoints": codepoints}, scale)
 
 
@@ -526,10 +533,11 @@ def values_at_scale(name: str, weight: torch.Tensor, state: dict[str, torch.Tens
     return cp[codes].reshape(d_out, -1)[:, :d_in]
 
 
-def start(name: str, weight: torch.Tensor, *, method: str | None = None, hessian: torch.Tensor | None = None,
-          seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """The post-training point QAT can start from: ``(master weight, quantiser state, bf16 scale)`` such that
-    quantising the master at that state and scale gives :func:`pack`'s cast by ``method`` bit for bit.
+def cast(name: str, weight: torch.Tensor, *, method: str | None = None, hessian: torch.Tensor | None = None,
+         seed: int = 0, fitted: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The direct cast and the point QAT can start from, in one computation: ``(packed tensors, master)``, the
+    tensors :func:`pack` writes and a float32 master weight such that quantising it at their state and scale
+    gives those tensors' decoded weight bit for bit.
 
     The master is the continuous weight the method rounded (the teacher's weight for a scale search; GPTQ's
     error-compensated weight), not the decoded one: a decoded weight sits at the centre of its quantisation cell,
@@ -540,7 +548,7 @@ def start(name: str, weight: torch.Tensor, *, method: str | None = None, hessian
     fmt = formats.get(name)
     w = weight.detach().float()
     compensated = torch.full_like(w, float("nan"))
-    tensors = pack(name, w, method=method, hessian=hessian, seed=seed, compensated=compensated)
+    tensors = pack(name, w, method=method, hessian=hessian, seed=seed, fitted=fitted, compensated=compensated)
     state, scale = state_of(name, tensors), tensors["scale"]
     decoded = fmt.unpack(tensors, tuple(w.shape))
     master = w if bool(compensated.isnan().all()) else compensated
@@ -549,7 +557,15 @@ def start(name: str, weight: torch.Tensor, *, method: str | None = None, hessian
         rows = ceil_div(w.shape[0], s3d8.GROUP) * s3d8.GROUP
         groups = torch.nn.functional.pad(same, (0, 0, 0, rows - w.shape[0]), value=True)
         same = groups.view(-1, s3d8.GROUP, w.shape[1]).all(1).repeat_interleave(s3d8.GROUP, 0)[:w.shape[0]]
-    return torch.where(same, master, decoded), state, scale
+    return tensors, torch.where(same, master, decoded)
+
+
+def start(name: str, weight: torch.Tensor, *, method: str | None = None, hessian: torch.Tensor | None = None,
+          seed: int = 0, fitted: dict[str, torch.Tensor] | None = None
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The post-training point of :func:`cast` as QAT takes it: ``(master weight, quantiser state, bf16 scale)``."""
+    tensors, master = cast(name, weight, method=method, hessian=hessian, seed=seed, fitted=fitted)
+    return master, state_of(name, tensors), tensors["scale"]
 
 
 # --- calibration ----------------------------------------------------------------------------------

@@ -8,9 +8,8 @@
 ``generation_config.json``, a model card and ``model.safetensors`` laid out as SPEC section 7 (S3D8:
 readable by the Llama-Mobile reference loader) or our documented scalar layout, sharded with an index above
 ``pipeline.hf.MAX_SHARD_SIZE``. Streams tensor by tensor; S3D8 uses the native encoder. Sizes and bits per
-parameter go to ``reports/pack/<format>.json``. The direct cast uses ``pack.method`` (``pipeline.ptq``);
-``gptq`` reads the teacher's ``X^T X`` per Linear from ``data/calibration/hessians.safetensors`` (stage
-calibrate).
+parameter go to ``reports/pack/<format>.json``. The direct cast is stage direct-cast's
+(``models/direct-cast/<format>/``, cast by ``pack.method``), packed as it is.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from pathlib import Path
 from safetensors import safe_open
 
 from pipeline import formats, params, ptq
-from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.checkpoint import CheckpointReader
+from pipeline.direct_cast import DirectCast
 from pipeline.fit import check_states
 from pipeline.formats.base import check_weight
 from pipeline.hf import write_model_dir
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         states = check_states(fmt, fmt.load_states(state_file), state_file)
         config = load_config(teacher.dir).to_dict()
         teacher_dir = local_dir(teacher.dir)
-        calibration = Calibration(CALIBRATION if p.method == "gptq" else None)
+        cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, p.method)
         report = {}
         trained = qat_state(f"models/qat/{fmt.name}", fmt)
         with atomic_dir(f"models/packed/{fmt.name}") as out:
@@ -57,8 +56,7 @@ def main(argv: list[str] | None = None) -> None:
                     # the direct cast by the chosen post-training method; the QAT student at the quantiser state
                     # and scales it was trained with (learned, or absmax)
                     if method == "direct-cast":
-                        encode = lambda name, w, state: ptq.pack(fmt.name, w, method=p.method,  # noqa: E731
-                                                                 hessian=calibration.get(name))
+                        encode = lambda name, w, state: cast.packed(name, w.shape)  # noqa: E731
                     else:
                         encode = trained
                     reader = CheckpointReader(source)

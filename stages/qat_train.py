@@ -16,8 +16,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pipeline.toy  # noqa: F401  (the `toy` image pool the teacher's answers refer to)
-from pipeline import formats, params, ptq
+from pipeline import formats, params
 from pipeline.calibrate import CALIBRATION, Calibration
+from pipeline.direct_cast import INDEX, DirectCast
 from pipeline.fit import check_states
 from pipeline.io import write_json
 from pipeline.launch import run_stage
@@ -46,15 +47,11 @@ def main(argv: list[str] | None = None) -> None:
         states = check_states(fmt, fmt.load_states(state_file), state_file)
         vocab = token_ids(load_config(teacher.dir))
         train_set, _ = split_heldout(load_examples(args.teacher_data, vocab), heldout)
-        # qat.init ptq starts from pack.method's direct cast (gptq reads the calibration); the table refit
-        # weighs input channels by the calibration's diagonal when there is one
+        # qat.init ptq starts from stage direct-cast's cast by pack.method; the table refit weighs input channels
+        # by the calibration's diagonal when there is one
         method = params.load(PackParams, "pack", args.params).method
-        use_calibration = (p.init == "ptq" and method == "gptq") or p.refit_table
-        calibration = Calibration(CALIBRATION if use_calibration and Path(CALIBRATION).exists() else None)
-        if p.init == "ptq" and method == "gptq" and calibration.path is None:
-            raise ValueError(f"parameter qat.init=ptq with pack.method=gptq needs {CALIBRATION} (stage calibrate)")
-        start = (lambda name, w: ptq.start(fmt.name, w, method=method, hessian=calibration.get(name))) \
-            if p.init == "ptq" else None
+        cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, method) if p.init == "ptq" else None
+        calibration = Calibration(CALIBRATION if p.refit_table and Path(CALIBRATION).exists() else None)
 
         def importance(name):
             h = calibration.get(name)
@@ -64,12 +61,12 @@ def main(argv: list[str] | None = None) -> None:
         fp = fingerprint(asdict(p) | {"checkpoint_every": None}, fmt.name, file_hash(state_file),
                          [file_hash(s) for s in shard_paths(args.teacher_data)], heldout,
                          file_hash(local_dir(teacher.dir) / "config.json"),
-                         method if p.init == "ptq" else None,
-                         file_hash(CALIBRATION) if p.init == "ptq" and calibration.path else None)
+                         file_hash(cast.path / INDEX) if cast is not None else None)
         began = time.perf_counter()
         summary = train(fmt, states, teacher.dir, teacher.dtype, train_set, p,
                         out_dir=f"models/qat/{fmt.name}", checkpoint=f"checkpoints/qat/{fmt.name}.safetensors",
-                        live_dir=f"reports/qat/{fmt.name}", fingerprint=fp, start=start, importance=importance)
+                        live_dir=f"reports/qat/{fmt.name}", fingerprint=fp, start=cast.start if cast else None,
+                        importance=importance)
         if summary:
             write_json(f"reports/qat/{fmt.name}/summary.json", summary)
             run_log(f"qat-train-{fmt.name}", seconds=round(time.perf_counter() - began, 1), steps=p.steps)

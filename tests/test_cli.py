@@ -260,6 +260,7 @@ def test_pack_safetensors_names_a_nan_weight_and_its_file(tmp_path):
     tensors[bad][5, 7] = float("nan")
     save_file(tensors, str(student / "model.safetensors"))
     save_file({}, str(student / "qat_state.safetensors"), metadata={"format": "s3d8"})
+    run_stage(cwd, "direct_cast.py", "--format", "s3d8")
     p = run_stage(cwd, "pack_safetensors.py", "--format", "s3d8", check=False)
     assert p.returncode == 1
     assert (f"models/qat/s3d8/model.safetensors: tensor {bad}: contains NaN or Inf (first at index [5, 7])"

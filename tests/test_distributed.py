@@ -60,7 +60,8 @@ def _set(cwd: Path, **launch) -> Path:
 def _copy_inputs(src: Path, dst: Path, **launch) -> Path:
     dst.mkdir(parents=True)
     shutil.copy(src / "params.yaml", dst / "params.yaml")
-    for part in ("data/prompts", "data/sampled", "data/teacher", "data/centroids", "data/calibration"):
+    for part in ("data/prompts", "data/sampled", "data/teacher", "data/centroids", "data/calibration",
+                 "models/direct-cast"):
         shutil.copytree(src / part, dst / part, symlinks=True)
     return _set(dst, **launch)
 
@@ -82,7 +83,7 @@ def inputs(tmp_path_factory):
     try:
         os.chdir(cwd)
         for script, *args in [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",),
-                              ("calibrate.py",)]:
+                              ("calibrate.py",), ("direct_cast.py", "--format", "s3d8")]:
             sys.argv = [str(STAGES / script), *args]
             runpy.run_path(str(STAGES / script), run_name="__main__")
     finally:
@@ -150,10 +151,9 @@ def test_eval_on_two_processes_writes_what_one_process_writes(runs, tmp_path):
     out = {}
     for n in (1, 2):
         cwd = _copy_inputs(runs["one"], tmp_path / f"eval{n}", num_processes=n)
-        shutil.copytree(runs["one"] / "models", cwd / "models", symlinks=True)
+        shutil.copytree(runs["one"] / "models", cwd / "models", symlinks=True, dirs_exist_ok=True)
         doc = yaml.safe_load((cwd / "params.yaml").read_text())
         doc["eval"]["blind_baseline"] = True
-        doc["pack"]["method"] = "search"        # no calibrate stage here (gptq needs its X^T X)
         (cwd / "params.yaml").write_text(yaml.safe_dump(doc))
         subprocess.run([sys.executable, str(STAGES / "pack_safetensors.py"), "--format", "s3d8"], cwd=cwd,
                        env=_env(), check=True, capture_output=True)
@@ -294,3 +294,15 @@ def test_fsdp2_kill_and_resume_on_two_and_one_processes(runs, tmp_path):
     proc = _qat(_set(broken, num_processes=1), check=False)
     assert proc.returncode == 1
     assert "checkpoints/qat/s3d8.dcp: written by 2 process(es), cannot be loaded onto 1" in proc.stderr
+
+
+def test_direct_cast_on_two_processes_writes_what_one_process_writes(inputs, tmp_path):
+    """The layers are dealt to 2 ranks: the same files, byte for byte, as the one-process run of the fixture."""
+    cwd = _copy_inputs(inputs, tmp_path / "cast2", num_processes=2)
+    shutil.rmtree(cwd / "models/direct-cast")
+    _launch(cwd, str(STAGES / "direct_cast.py"), "--format", "s3d8")
+    ref = inputs / "models/direct-cast/s3d8"
+    names = sorted(p.name for p in ref.iterdir())
+    assert names == sorted(p.name for p in (cwd / "models/direct-cast/s3d8").iterdir()) and len(names) > 2
+    for name in names:
+        assert (cwd / "models/direct-cast/s3d8" / name).read_bytes() == (ref / name).read_bytes(), name

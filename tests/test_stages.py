@@ -19,7 +19,7 @@ from tests.stage_helpers import build_tiny_teacher, run_stage, run_stage_killed_
 STAGES = Path(__file__).resolve().parent.parent / "stages"
 
 CHAIN = [("fit_centroids.py", "--format", "s3d8"), ("sample_prompts.py",), ("teacher_generate.py",),
-         ("calibrate.py",), ("qat_train.py", "--format", "s3d8"), ("pack_safetensors.py", "--format", "s3d8"), ("eval.py",)]
+         ("calibrate.py",), ("direct_cast.py", "--format", "s3d8"), ("qat_train.py", "--format", "s3d8"), ("pack_safetensors.py", "--format", "s3d8"), ("eval.py",)]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_teacher_generate_resumes_after_a_kill(chain, tmp_path, teacher):
 
 def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher, **{"qat.checkpoint_every": 1})
-    for part in ("data/sampled", "data/teacher", "data/centroids", "data/calibration"):
+    for part in ("data/sampled", "data/teacher", "data/centroids", "data/calibration", "models/direct-cast"):
         shutil.copytree(chain / part, cwd / part)
     run_stage_killed_after(cwd, "pipeline.qat.train._save_checkpoint", "qat_train.py", "--format", "s3d8")
     assert (cwd / "checkpoints/qat/s3d8.safetensors").exists()
@@ -102,7 +102,7 @@ def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, te
 
 def test_a_planted_pickle_never_runs_and_training_starts_afresh(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher, **{"qat.steps": 2})
-    for part in ("data/teacher", "data/centroids", "data/calibration"):
+    for part in ("data/teacher", "data/centroids", "data/calibration", "models/direct-cast"):
         shutil.copytree(chain / part, cwd / part)
     marker = tmp_path / "pwned"
 
@@ -136,6 +136,7 @@ def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher, **{"pack.method": "search"})
     for part in ("data/centroids", "data/calibration", "models/qat"):
         shutil.copytree(chain / part, cwd / part)
+    run_stage(cwd, "direct_cast.py", "--format", "s3d8")
     run_stage(cwd, "pack_safetensors.py", "--format", "s3d8")
     teacher_w = CheckpointReader(teacher)
     module_of = {saved.removesuffix(".weight"): module
@@ -162,7 +163,7 @@ def test_qat_from_the_ptq_point_with_learned_scales_and_a_table_refit(chain, tmp
 
     cwd = workdir(tmp_path, teacher, **{"qat.init": "ptq", "qat.learn_scales": True, "qat.scale_lr": 1e-2,
                                         "qat.refit_table": True})
-    for part in ("data/teacher", "data/centroids", "data/calibration"):
+    for part in ("data/teacher", "data/centroids", "data/calibration", "models/direct-cast"):
         shutil.copytree(chain / part, cwd / part)
     run_stage(cwd, "qat_train.py", "--format", "s3d8")
     run_stage(cwd, "pack_safetensors.py", "--format", "s3d8")
@@ -203,7 +204,7 @@ def test_missing_teacher_is_named(tmp_path, teacher):
 
 def test_contradictory_params_are_named(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher, **{"qat.batch_size": 64})
-    for part in ("data/teacher", "data/centroids", "data/calibration"):
+    for part in ("data/teacher", "data/centroids", "data/calibration", "models/direct-cast"):
         shutil.copytree(chain / part, cwd / part)
     proc = run_stage(cwd, "qat_train.py", "--format", "s3d8", check=False)
     assert proc.returncode == 1 and "qat.batch_size=64" in proc.stderr
@@ -218,7 +219,7 @@ def test_contradictory_params_are_named(chain, tmp_path, teacher):
 
 def test_corrupt_shard_is_named(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher)
-    for part in ("data/teacher", "data/centroids", "data/calibration"):
+    for part in ("data/teacher", "data/centroids", "data/calibration", "models/direct-cast"):
         shutil.copytree(chain / part, cwd / part)
     victim = cwd / "data/teacher/shard-00002.parquet"
     victim.write_bytes(victim.read_bytes()[:100])
@@ -252,7 +253,8 @@ def test_every_output_is_byte_reproducible(chain, tmp_path, teacher):
 def test_a_kill_inside_a_write_leaves_nothing_and_a_rerun_gives_the_same_outputs(chain, tmp_path, teacher,
                                                                                stage, function, calls):
     cwd = workdir(tmp_path, teacher)
-    for part in ("data/centroids", "data/calibration", "data/sampled", "data/teacher", "models/qat"):
+    for part in ("data/centroids", "data/calibration", "data/sampled", "data/teacher", "models/direct-cast",
+                 "models/qat"):
         if (chain / part).exists() and stage[0] not in ("sample_prompts.py",):
             shutil.copytree(chain / part, cwd / part)
     run_stage_killed_after(cwd, function, *stage, calls=calls)
@@ -261,3 +263,64 @@ def test_a_kill_inside_a_write_leaves_nothing_and_a_rerun_gives_the_same_outputs
     assert debris == [], debris
     ref, now = _outputs(chain), _outputs(cwd)
     assert [k for k in now if k in ref and now[k] != ref[k]] == []
+
+
+def test_direct_cast_resumes_after_a_kill_with_the_same_result(chain, tmp_path, teacher):
+    cwd = workdir(tmp_path, teacher)
+    for part in ("data/centroids", "data/calibration"):
+        shutil.copytree(chain / part, cwd / part)
+    run_stage_killed_after(cwd, "pipeline.direct_cast.cast_group", "direct_cast.py", "--format", "s3d8")
+    assert not (cwd / "models/direct-cast").exists()          # the DVC output appears only whole
+    done = list((cwd / "checkpoints/direct-cast/s3d8").glob("*.safetensors"))
+    assert len(done) == 1
+    log = run_stage(cwd, "direct_cast.py", "--format", "s3d8").stderr
+    assert "resuming, 1 of" in log
+    ref = chain / "models/direct-cast/s3d8"
+    assert sorted(p.name for p in (cwd / "models/direct-cast/s3d8").iterdir()) == sorted(p.name for p in ref.iterdir())
+    for f in ref.iterdir():
+        assert (cwd / "models/direct-cast/s3d8" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert not (cwd / "checkpoints/direct-cast/s3d8").exists()
+
+
+def test_direct_cast_is_ptq_bit_for_bit_and_what_pack_and_qat_read(chain, teacher):
+    """The stage's files hold what ptq.pack writes and ptq.start starts QAT from (fitting the table afresh, as
+    both did before the stage existed), and the packed direct cast is those tensors."""
+    import torch
+
+    from pipeline import formats, ptq
+    from pipeline.calibrate import Calibration
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.direct_cast import DirectCast
+
+    fmt = formats.get("s3d8")
+    cast = DirectCast(chain / "models/direct-cast/s3d8", fmt, "gptq")
+    hessians = Calibration(str(chain / "data/calibration/hessians.safetensors"))
+    teacher_w = CheckpointReader(teacher)
+    packed = safe_open(str(chain / "models/packed/s3d8/direct-cast/model.safetensors"), "pt")
+    assert len(cast.weight_map) > 10
+    for name in cast.weight_map:
+        w = teacher_w.get(f"{name}.weight").float()
+        want = ptq.pack("s3d8", w, method="gptq", hessian=hessians.get(name))
+        got = cast.packed(name, w.shape)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+        assert all(torch.equal(packed.get_tensor(f"{name}.weight.{k}"), got[k]) for k in fmt.suffixes), name
+        master, state, scale = ptq.start("s3d8", w, method="gptq", hessian=hessians.get(name))
+        m2, s2, sc2 = cast.start(name, w)
+        assert torch.equal(master, m2) and torch.equal(scale, sc2) and torch.equal(state["table"], s2["table"]), name
+    with pytest.raises(ValueError, match="pack.method is 'search'"):
+        DirectCast(chain / "models/direct-cast/s3d8", fmt, "search")
+    with pytest.raises(ValueError, match="not 'int'"):
+        DirectCast(chain / "models/direct-cast/s3d8", formats.get("int"), "gptq")
+
+
+def test_direct_cast_deals_files_to_processes():
+    from pipeline.direct_cast import deal, group_of
+
+    assert group_of("model.layers.12.mlp.down_proj") == "model.layers.12"
+    assert group_of("model.vision_model.transformer.layers.3.self_attn.q_proj") == \
+        "model.vision_model.transformer.layers.3"
+    assert group_of("lm_head") == group_of("model.embed_tokens") == "rest"
+    costs = {"a": 8.0, "b": 5.0, "c": 4.0, "d": 3.0, "e": 1.0}
+    assert deal(costs, 1) == [["a", "b", "c", "d", "e"]]
+    assert deal(costs, 2) == [["a", "d"], ["b", "c", "e"]]
+    assert sorted(sum(deal(costs, 3), [])) == sorted(costs)

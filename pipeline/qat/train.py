@@ -74,7 +74,8 @@ QAT_STATE = "qat_state.safetensors"
 (``P.table`` or ``P.codepoints``) and, with learned scales, ``P.scale`` (bf16); pack-safetensors packs with them."""
 
 Start = Callable[[str, torch.Tensor], tuple]
-"""``start(P, weight) -> (decoded weight, state, bf16 scale)``: the post-training point (``ptq.start``)."""
+"""``start(P, weight) -> (master weight, state, bf16 scale)``: the post-training point (``ptq.start``; the stages read
+it from stage direct-cast, ``pipeline.direct_cast.DirectCast.start``)."""
 
 
 def recipe_lr(bits_per_param: float) -> float:

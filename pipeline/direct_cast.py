@@ -1,0 +1,139 @@
+"""The direct cast of the teacher to one format, computed once: stage direct-cast writes it, qat-train starts from
+it (``qat.init: ptq``) and pack-safetensors packs it as the direct-cast model.
+
+``models/direct-cast/<format>/`` holds one safetensors file per decoder layer (``model.layers.3.safetensors``)
+and one for the other weights (``rest.safetensors``). Per quantised weight ``P`` (of ``P.weight``): the packed
+tensors ``P.<suffix>`` as the format's ``pack`` lays them out, and ``P.master``, the float32 weight QAT starts
+from (``pipeline.ptq.cast``). ``index.json`` maps each weight to its file and records the format, the method and
+each file's sha256.
+
+The work is dealt to processes file by file (``deal``: the largest first, each to the least loaded process), so
+several processes (``python -m pipeline.launch``) run the per-matrix searches and GPTQ in parallel and the files
+do not depend on how many there were. Each finished file waits in ``checkpoints/direct-cast/<format>/`` (a
+directory every process must see: on several machines, a shared file system) until all are done; a killed run
+resumes from the files it finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pipeline import ptq
+from pipeline.checkpoint import write_tensors
+from pipeline.formats import FormatBase
+
+INDEX = "index.json"
+REST = "rest"
+
+
+def group_of(name: str) -> str:
+    """The file a weight goes to: its decoder layer (``...layers.N``), or ``rest``."""
+    m = re.match(r"(.*\.layers\.\d+)\.", name)
+    return m.group(1) if m else REST
+
+
+def deal(costs: dict[str, float], world: int) -> list[list[str]]:
+    """Groups dealt to ``world`` processes: the largest first, each to the least loaded (ties: the lower rank)."""
+    loads, work = [0.0] * world, [[] for _ in range(world)]
+    for group in sorted(costs, key=lambda g: (-costs[g], g)):
+        r = min(range(world), key=lambda i: (loads[i], i))
+        loads[r] += costs[group]
+        work[r].append(group)
+    return work
+
+
+def gptq_cost(shape) -> float:
+    """A matrix's share of the work: GPTQ's column sweep is ``d_out x d_in^2``."""
+    d_out, d_in = shape
+    return float(d_out) * d_in * d_in
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cast_group(fmt: FormatBase, names: list[str], weight, fitted, hessian, method: str, path: Path,
+               fingerprint: str, on_matrix=None) -> None:
+    """Cast the weights ``names`` (checkpoint ``P`` of ``P.weight``) and write them to ``path``: ``weight(P)``,
+    ``fitted(P)`` and ``hessian(P)`` give the teacher's weight, the fitted state and ``X^T X`` (or None)."""
+    tensors = {}
+    for name in names:
+        packed, master = ptq.cast(fmt.name, weight(name), method=method, hessian=hessian(name), fitted=fitted(name))
+        tensors.update({f"{name}.{k}": v.contiguous() for k, v in packed.items()})
+        tensors[f"{name}.master"] = master.contiguous()
+        if on_matrix is not None:
+            on_matrix()
+    write_tensors(path, tensors, {"format": fmt.name, "method": method, "fingerprint": fingerprint})
+
+
+def finished(path: Path, fingerprint: str) -> bool:
+    """Whether ``path`` is a group file this run can keep (written for the same inputs)."""
+    if not path.exists():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("fingerprint") == fingerprint
+    except Exception:           # a foreign or damaged file is redone, never trusted
+        return False
+
+
+def write_index(out: Path, fmt: FormatBase, method: str, groups: dict[str, list[str]], metadata: dict) -> None:
+    files = {g: f"{g}.safetensors" for g in groups}
+    doc = {"metadata": {"format": fmt.name, "method": method, **metadata,
+                        "sha256": {files[g]: sha256(out / files[g]) for g in sorted(groups)}},
+           "weight_map": {n: files[g] for g in sorted(groups) for n in groups[g]}}
+    (out / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+class DirectCast:
+    """A format's direct cast as stage direct-cast wrote it: ``packed(P)`` the tensors pack-safetensors writes,
+    ``start(P, weight)`` QAT's start ``(master, state, scale)`` (``ptq.start``'s, bit for bit)."""
+
+    def __init__(self, path: str | os.PathLike, fmt: FormatBase, method: str | None = None) -> None:
+        self.path = Path(path)
+        index = self.path / INDEX
+        if not index.is_file():
+            raise ValueError(f"{index}: missing (run stage direct-cast: dvc repro direct-cast)")
+        doc = json.loads(index.read_text())
+        meta = doc["metadata"]
+        if meta["format"] != fmt.name:
+            raise ValueError(f"{index}: a direct cast to {meta['format']!r}, not {fmt.name!r}")
+        if method is not None and meta["method"] != method:
+            raise ValueError(f"{index}: cast by {meta['method']!r}, but parameter pack.method is {method!r} "
+                             "(dvc repro direct-cast)")
+        self.fmt, self.method, self.weight_map = fmt, meta["method"], doc["weight_map"]
+
+    def _tensors(self, name: str) -> dict[str, torch.Tensor]:
+        if name not in self.weight_map:
+            raise ValueError(f"{self.path / INDEX}: no weight {name!r} (a cast of another teacher?)")
+        with safe_open(str(self.path / self.weight_map[name]), "pt") as f:
+            prefix = f"{name}."
+            return {k[len(prefix):]: f.get_tensor(k) for k in f.keys()
+                    if k.startswith(prefix) and "." not in k[len(prefix):]}
+
+    def packed(self, name: str, shape) -> dict[str, torch.Tensor]:
+        tensors = self._tensors(name)
+        master = tensors.pop("master")
+        if tuple(master.shape) != tuple(shape):
+            raise ValueError(f"{self.path / self.weight_map[name]}: {name} is {tuple(master.shape)}, "
+                             f"the teacher's weight {tuple(shape)}")
+        return tensors
+
+    def start(self, name: str, weight: torch.Tensor):
+        tensors = self._tensors(name)
+        master = tensors.pop("master")
+        if master.shape != weight.shape:
+            raise ValueError(f"{self.path / self.weight_map[name]}: {name} is {tuple(master.shape)}, "
+                             f"the teacher's weight {tuple(weight.shape)}")
+        return master, ptq.state_of(self.fmt.name, tensors), tensors["scale"]

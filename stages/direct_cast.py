@@ -1,0 +1,111 @@
+"""DVC stage direct-cast: cast the teacher to one format by ``pack.method``, once, for qat-train and pack-safetensors.
+
+    python -m pipeline.launch stages/direct_cast.py --format s3d8    # launch.num_processes processes share it
+
+Starts from fit-centroids' fitted state of each weight (``data/centroids/<format>.safetensors``); ``gptq`` reads
+the calibrate stage's ``X^T X``. Writes ``models/direct-cast/<format>/`` (``pipeline/direct_cast.py``): the packed
+tensors pack-safetensors writes and the float32 start of QAT, one file per decoder layer, the layers dealt to the
+processes. A killed run resumes from the layers it finished (``checkpoints/direct-cast/<format>/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from pipeline import direct_cast, formats, params
+from pipeline.calibrate import CALIBRATION, Calibration
+from pipeline.checkpoint import CheckpointReader
+from pipeline.fit import check_states
+from pipeline.formats.base import check_weight
+from pipeline.io import atomic_dir
+from pipeline.launch import run_stage
+from pipeline.models import load_config, meta_model, quantised_weight_names
+from pipeline.packed import PackParams
+from pipeline.shards import file_hash, fingerprint
+from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
+from pipeline.teacher import TeacherParams, local_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", required=True, help=f"one of {', '.join(formats.QUANTISED)}")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    with stage_errors("direct-cast"):
+        fmt = formats.comparison(args.format, "--format")
+        method = params.load(PackParams, "pack", args.params).method
+        teacher = params.load(TeacherParams, "teacher", args.params)
+        state_file = Path(f"data/centroids/{fmt.name}.safetensors")
+        states = check_states(fmt, fmt.load_states(state_file), state_file)
+        if method == "gptq" and not Path(CALIBRATION).exists():
+            raise ValueError(f"parameter pack.method=gptq needs {CALIBRATION} (stage calibrate)")
+        calibration = Calibration(CALIBRATION if method == "gptq" else None)
+        root = local_dir(teacher.dir)
+        reader = CheckpointReader(root)
+        names = list(dict.fromkeys(n.removesuffix(".weight")
+                                   for n in quantised_weight_names(meta_model(load_config(str(root)))).values()))
+        missing = [n for n in names if n not in states]
+        if missing:
+            raise ValueError(f"{state_file}: no fitted state for {missing[:3]} (fitted to another teacher? "
+                             "dvc repro fit-centroids)")
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            groups.setdefault(direct_cast.group_of(name), []).append(name)
+        costs = {g: sum(direct_cast.gptq_cost(reader.shape(f"{n}.weight")) for n in ns) for g, ns in groups.items()}
+
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        # torchrun sets one thread per process; the bytes do not depend on the count (tested), so each process
+        # takes its share of the machine's cores
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        set_threads(max(1, len(os.sched_getaffinity(0)) // local))
+        fp = fingerprint(fmt.name, method, file_hash(state_file), file_hash(root / "config.json"),
+                         file_hash(CALIBRATION) if calibration.path else None)
+        staging = Path(f"checkpoints/direct-cast/{fmt.name}")
+        staging.mkdir(parents=True, exist_ok=True)
+        mine = direct_cast.deal(costs, world)[rank]
+        todo = [g for g in mine if not direct_cast.finished(staging / f"{g}.safetensors", fp)]
+        if rank == 0 and len(todo) < len(mine):
+            console.print(f"direct-cast {fmt.name}: resuming, {len(mine) - len(todo)} of {len(mine)} files done")
+
+        def weight(name):
+            w = reader.get(f"{name}.weight").float()
+            check_weight(w, f"{reader.file_of(f'{name}.weight')}: tensor {name}.weight")
+            return w
+
+        began = time.perf_counter()
+        with progress() as bar:
+            task = bar.add_task(f"direct-cast {fmt.name} ({method})" + (f" rank {rank}" if world > 1 else ""),
+                                total=sum(len(groups[g]) for g in todo))
+            for g in todo:
+                direct_cast.cast_group(fmt, groups[g], weight, states.get, calibration.get, method,
+                                       staging / f"{g}.safetensors", fp, on_matrix=lambda: bar.advance(task))
+        if world > 1:
+            _wait_for_all()
+        if rank == 0:
+            out_dir = Path(f"models/direct-cast/{fmt.name}")
+            with atomic_dir(out_dir) as out:
+                for g in groups:
+                    os.replace(staging / f"{g}.safetensors", out / f"{g}.safetensors")
+                direct_cast.write_index(out, fmt, method, groups, {"fit_state": file_hash(state_file), **versions()})
+            shutil.rmtree(staging, ignore_errors=True)
+            run_log(f"direct-cast-{fmt.name}", seconds=round(time.perf_counter() - began, 1), processes=world)
+            console.print(f"[green]direct-cast[/] {fmt.name} ({method}): {len(names)} matrices in {len(groups)} "
+                          f"files -> {out_dir}")
+
+
+def _wait_for_all() -> None:
+    """Every process's files written: a barrier that waits as long as the slowest process's share takes."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(days=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    run_stage(main)
