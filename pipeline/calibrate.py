@@ -6,7 +6,10 @@ runs on its own (batch of one), so no padding token counts; image tiles the pict
 the vision encoder's input and count as they do in every forward. Rows are accumulated in float64.
 
 At the 11B the matrices take ``sum(d_in^2) * 4`` bytes (the 40 MLP down projections alone, 14,336^2 each:
-33 GB): the file is streamed tensor by tensor on write and read, and pack-safetensors holds one at a time.
+33 GB), twice that while summed in float64. So the prompts run once per group of matrices whose float64 sums fit
+``calibrate.hessian_memory_gb`` (consecutive in the file's sorted order), each group's matrices written as soon as
+it is done: the file is streamed tensor by tensor, and readers hold one at a time. The teacher and the sums live on
+the GPU when there is one; host memory is then the teacher while it loads plus one matrix in float32 at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline import ptq
+from pipeline.checkpoint import StreamingWriter
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.params import non_negative, positive
 from pipeline.qat.data import collate, load_examples, model_inputs, split_heldout
@@ -51,38 +55,65 @@ class CalibrateParams:
     max_seq_len: int = positive(160)    # longer prompt + answer sequences are cut here
     seed: int = 0
     threads: int = non_negative(1)      # torch intra-op threads (0: torch's default)
+    hessian_memory_gb: float = positive(16.0)   # float64 sums held at once; beyond, more passes over the prompts
 
 
-def hessians(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, heldout: int,
-             pool: str | None = None, on_prompt=None) -> tuple[dict[str, torch.Tensor], dict]:
-    """``({checkpoint weight name P (of P.weight): H float32 [d_in, d_in]}, summary)`` for every quantised
-    Linear of the teacher."""
-    model = load_model(teacher.dir, dtype_of(teacher.dtype))
+def calibrate(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, heldout: int, out: str,
+              metadata: dict[str, str], pool: str | None = None, on_prompt=None) -> dict:
+    """Write ``{checkpoint weight name P (of P.weight): H float32 [d_in, d_in]}`` for every quantised Linear of the
+    teacher to the safetensors file ``out`` (with ``metadata`` and the summary in its metadata); return the
+    summary (prompts, modules, tokens, passes)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = load_model(teacher.dir, dtype_of(teacher.dtype)).to(device)
     processor = load_processor(teacher.dir)
     train, _ = split_heldout(load_examples(teacher_data, token_ids(model.config)), heldout)
     if not train:
         raise ValueError(f"{teacher_data}: no training prompts to calibrate on (heldout_prompts={heldout})")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(p.seed)).tolist()
     chosen = [train[i] for i in sorted(order[:p.n_prompts])]
-    batches = (_inputs(collate([e], processor, p.max_seq_len, pool), model.dtype, on_prompt) for e in chosen)
-    names = quantised_weight_names(model)
-    linears = [m for m, _ in names.items() if isinstance(model.get_submodule(m), torch.nn.Linear)]
-    found = ptq.collect_hessians(model, batches, linears)
-    never = sorted(set(linears) - set(found))
-    if never:
-        raise ValueError(f"calibration: modules never called on {len(chosen)} prompts, e.g. {never[:3]} "
-                         f"(do the prompts hold an image?)")
-    for name, h in found.items():
-        if not bool(torch.isfinite(h).all()):
-            raise ValueError(f"calibration: the teacher's inputs to {name} hold NaN or Inf")
-    out = {names[m].removesuffix(".weight"): h for m, h in found.items()}
+    names = {m: saved.removesuffix(".weight") for m, saved in quantised_weight_names(model).items()
+             if isinstance(model.get_submodule(m), torch.nn.Linear)}
+    modules = sorted(names, key=names.get)                      # the file's order
+    width = {m: model.get_submodule(m).in_features for m in modules}
+    groups = passes([width[m] for m in modules], p.hessian_memory_gb * 1e9)
     tokens = sum(min(len(e.prompt_ids) + len(e.response_ids), p.max_seq_len) for e in chosen)
-    summary = {"prompts": len(chosen), "modules": len(out), "tokens": tokens}
-    return out, summary
+    summary = {"prompts": len(chosen), "modules": len(modules), "tokens": tokens}
+    specs = [(names[m], torch.float32, (width[m], width[m])) for m in modules]
+    with StreamingWriter(out, specs, {**metadata, **{k: str(v) for k, v in summary.items()}}) as writer:
+        for a, b in groups:
+            group = modules[a:b]
+            batches = (_inputs(collate([e], processor, p.max_seq_len, pool), model.dtype, device, on_prompt)
+                       for e in chosen)
+            found = ptq.collect_hessians(model, batches, group)
+            never = [m for m in group if m not in found]
+            if never:
+                raise ValueError(f"calibration: modules never called on {len(chosen)} prompts, e.g. {never[:3]} "
+                                 f"(do the prompts hold an image?)")
+            for m in group:
+                h = found.pop(m).cpu()
+                if not bool(torch.isfinite(h).all()):
+                    raise ValueError(f"calibration: the teacher's inputs to {m} hold NaN or Inf")
+                writer.write(names[m], h)
+    return {**summary, "passes": len(groups)}
 
 
-def _inputs(batch: dict, dtype: torch.dtype, on_prompt) -> dict:
-    batch = model_inputs(batch, dtype)
+def passes(widths: list[int], budget_bytes: float) -> list[tuple[int, int]]:
+    """``[(start, stop)]``: consecutive runs of matrices whose float64 ``d_in x d_in`` sums fit ``budget_bytes``
+    together (a matrix larger than the budget alone)."""
+    groups, start, held = [], 0, 0
+    for i, d in enumerate(widths):
+        size = 8 * d * d
+        if i > start and held + size > budget_bytes:
+            groups.append((start, i))
+            start, held = i, 0
+        held += size
+    if widths:
+        groups.append((start, len(widths)))
+    return groups
+
+
+def _inputs(batch: dict, dtype: torch.dtype, device, on_prompt) -> dict:
+    batch = model_inputs(batch, dtype, device)
     if on_prompt is not None:
         on_prompt()
     return batch

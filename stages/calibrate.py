@@ -16,8 +16,7 @@ from dataclasses import asdict
 
 import pipeline.toy  # noqa: F401  (the `toy` image pool the teacher's answers refer to)
 from pipeline import params
-from pipeline.calibrate import CalibrateParams, hessians
-from pipeline.checkpoint import write_tensors
+from pipeline.calibrate import CalibrateParams, calibrate
 from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
 
 OUT = "data/calibration/hessians.safetensors"
@@ -34,14 +33,15 @@ def main(argv: list[str] | None = None) -> None:
         set_threads(p.threads)
         began = time.perf_counter()
         with progress() as bar:
-            task = bar.add_task("calibrate", total=p.n_prompts)
-            found, summary = hessians(p, doc["teacher"], args.teacher_data, doc["heldout_prompts"],
-                                      pool=doc["sample"].images, on_prompt=lambda: bar.advance(task))
-        write_tensors(OUT, found, {"params": json.dumps(asdict(p), sort_keys=True),
-                                   **{k: str(v) for k, v in summary.items()}, **versions()})
-        run_log("calibrate", seconds=round(time.perf_counter() - began, 2))
+            task = bar.add_task("calibrate", total=None)
+            summary = calibrate(p, doc["teacher"], args.teacher_data, doc["heldout_prompts"], OUT,
+                                {"params": json.dumps({k: v for k, v in asdict(p).items()
+                                                       if k != "hessian_memory_gb"}, sort_keys=True),
+                                 **versions()},
+                                pool=doc["sample"].images, on_prompt=lambda: bar.advance(task))
+        run_log("calibrate", seconds=round(time.perf_counter() - began, 2), passes=summary["passes"])
         console.print(f"[green]calibrate[/] {summary['modules']} Linear inputs over {summary['prompts']} prompts "
-                      f"({summary['tokens']} tokens) -> {OUT}")
+                      f"({summary['tokens']} tokens, {summary['passes']} pass(es)) -> {OUT}")
 
 
 if __name__ == "__main__":

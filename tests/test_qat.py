@@ -254,3 +254,22 @@ def test_qat_steps_give_the_same_bytes_at_one_thread_count(threads):
             assert torch.equal(runs[0][k], runs[1][k]), k
     finally:
         torch.set_num_threads(before)
+
+
+def test_fake_quant_stays_fp32_under_autocast_and_bf16_inputs():
+    """The quantiser and the learned scale run in float32 whatever the compute dtype; only the product is bf16."""
+    from pipeline import ptq
+
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 48, bias=True)
+    fmt = formats.get("s3d8")
+    module = QuantLinear(linear, fmt, fmt.fit(linear.weight.detach()), act_quant=True,
+                         scale=ptq.absmax_scale("s3d8", linear.weight.detach()))
+    want = module.quantized_weight()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = module.quantized_weight()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    x = torch.randn(5, 96)
+    out = module(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), module(x), rtol=2e-2, atol=2e-2)

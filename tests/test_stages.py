@@ -324,3 +324,19 @@ def test_direct_cast_deals_files_to_processes():
     assert deal(costs, 1) == [["a", "b", "c", "d", "e"]]
     assert deal(costs, 2) == [["a", "d"], ["b", "c", "e"]]
     assert sorted(sum(deal(costs, 3), [])) == sorted(costs)
+
+
+def test_calibrate_in_several_passes_writes_the_same_file(chain, tmp_path, teacher):
+    """calibrate.hessian_memory_gb below one matrix's float64 sums: a pass over the prompts per matrix, the same
+    bytes as one pass."""
+    from pipeline.calibrate import passes
+
+    assert passes([4, 4, 8, 2], 8 * (16 + 16)) == [(0, 2), (2, 3), (3, 4)]
+    assert passes([100], 1.0) == [(0, 1)] and passes([], 1.0) == []
+    cwd = workdir(tmp_path, teacher, **{"calibrate.hessian_memory_gb": 1e-9})
+    shutil.copytree(chain / "data/teacher", cwd / "data/teacher")
+    log = run_stage(cwd, "calibrate.py").stderr
+    modules = int(safe_open(str(cwd / "data/calibration/hessians.safetensors"), "pt").metadata()["modules"])
+    assert f"{modules} pass(es)" in log
+    assert (cwd / "data/calibration/hessians.safetensors").read_bytes() == \
+        (chain / "data/calibration/hessians.safetensors").read_bytes()

@@ -5,7 +5,9 @@ Sharding units (``torch.distributed.fsdp.fully_shard``): every decoder layer of 
 cross-attention), every layer of the vision encoder's local and global transformers, the token embedding and
 ``lm_head``; the root (patch and position embeddings, norms, the projector) holds the rest. Parameters stay fp32
 masters (the optimizer state is sharded with them); ``launch.compute_dtype: bfloat16`` gathers them in bf16 for
-forward and backward and reduces gradients in fp32 (``MixedPrecisionPolicy``). Gradients are averaged over
+forward and backward and reduces gradients in fp32 (``MixedPrecisionPolicy``), except the fake-quantised modules:
+each is a unit of its own gathered in fp32, so the quantiser and the learned scales see the masters (the values
+pack-safetensors writes), and only the product runs in bf16. Gradients are averaged over
 ranks, as under DDP, so the loss scaling of ``pipeline.qat.train`` holds for both.
 
 A checkpoint is a directory written by ``torch.distributed.checkpoint`` (DCP: each rank's tensor shards, the
@@ -29,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from pipeline.recipe import Quantised
 
 META = "meta.json"
 
@@ -87,10 +91,23 @@ def shard(model: nn.Module, compute_dtype: torch.dtype | None = None) -> nn.Modu
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device().type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
-        else MixedPrecisionPolicy()
-    for _, module in sharding_units(model):
-        fully_shard(module, mesh=mesh, mp_policy=policy)
+    if compute_dtype is None:
+        policy = exact = MixedPrecisionPolicy()
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # the fake-quantised modules gathered in fp32: their quantiser runs on the masters and learned scales, as
+        # pack-safetensors does; what comes out enters the product in the compute dtype
+        exact = MixedPrecisionPolicy(reduce_dtype=torch.float32, output_dtype=compute_dtype, cast_forward_inputs=False)
+    units = sharding_units(model)
+    if compute_dtype is not None:
+        owned = {id(m.weight) for _, m in units if isinstance(m, Quantised)}
+        for module in model.modules():
+            # each fake-quantised module not a unit already nor tied to one (a tied lm_head)
+            if isinstance(module, Quantised) and id(module.weight) not in owned:
+                owned.add(id(module.weight))
+                fully_shard(module, mesh=mesh, mp_policy=exact)
+    for _, module in units:
+        fully_shard(module, mesh=mesh, mp_policy=exact if isinstance(module, Quantised) else policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 

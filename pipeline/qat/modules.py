@@ -78,9 +78,14 @@ class _FakeQuant(Quantised):
         return {key: getattr(self, f"qstate_{key}") for key in self.state_names}
 
     def quantized_weight(self) -> torch.Tensor:
-        if self.qat_log2_scale is None:
-            return self.format.quantize(self.weight, self.qstate)
-        return quantize_learned(self.format.name, self.weight, self.qstate, self.qat_log2_scale)
+        """The fake-quantised weight, computed in float32 from the master and the scale whatever the compute
+        dtype (autocast off; FSDP2 gathers these modules in fp32): training optimises the values the packer
+        writes. Its consumer casts it to its own dtype."""
+        with torch.autocast(self.weight.device.type, enabled=False):
+            weight = self.weight.float()
+            if self.qat_log2_scale is None:
+                return self.format.quantize(weight, self.qstate)
+            return quantize_learned(self.format.name, weight, self.qstate, self.qat_log2_scale.float())
 
 
 class QuantLinear(_FakeQuant):
@@ -94,9 +99,10 @@ class QuantLinear(_FakeQuant):
         self._setup(fmt, state, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant:
-            x = fake_quant_activations(x)
-        return F.linear(x, self.quantized_weight(), self.bias)
+        weight = self.quantized_weight()
+        if self.act_quant:          # the INT8 activation quantiser in float32 too; the product in x's dtype
+            x = fake_quant_activations(x.float()).to(x.dtype)
+        return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -133,7 +133,7 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     micro = check(p, examples, engine.world)
     torch.manual_seed(p.seed)
     processor = load_processor(teacher_source)
-    teacher = engine.teacher(load_model(teacher_source, dtype_of(teacher_dtype)))
+    teacher = engine.teacher(teacher_source, dtype_of(teacher_dtype))
     teacher.requires_grad_(False)
     names: dict[str, str] = {}
     student = engine.student(teacher_source, lambda model: _quantise(model, fmt, states, p, start, names), launch)
@@ -266,9 +266,9 @@ class _Accelerate:
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.device = self.accelerator.device
 
-    def teacher(self, model):
-        self.teacher_dtype = model.dtype
-        return model.to(self.device)
+    def teacher(self, source: str, dtype: torch.dtype):
+        self.teacher_dtype = dtype
+        return load_model(source, dtype).to(self.device)
 
     def student(self, source: str, quantise, launch: LaunchParams):
         """The fp32 student, loaded whole on every process (DDP replicates it anyway)."""
@@ -336,11 +336,18 @@ class _FSDP2:
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.device = distributed.device()
 
-    def teacher(self, model):
-        self.teacher_dtype = model.dtype
-        if self.launch.teacher == "shard":
-            return self.d.shard(model)
-        return model.to(self.device)
+    def teacher(self, source: str, dtype: torch.dtype):
+        """The frozen teacher whole on every rank (``launch.teacher: replicate``), or sharded: then, as for the
+        student, rank 0 alone reads the checkpoint and the others receive their shards from it (at 11B no rank
+        but one holds the 21 GB bf16 copy a node would otherwise hold once per GPU)."""
+        self.teacher_dtype = dtype
+        if self.launch.teacher != "shard":
+            return load_model(source, dtype).to(self.device)
+        full = load_model(source, dtype) if self.rank == 0 else None
+        model = meta_model(load_config(source), dtype).eval()
+        self.d.shard(model)
+        self.d.fill_from_rank0(model, full, self.device)
+        return model
 
     def student(self, source: str, quantise, launch: LaunchParams):
         """The sharded fp32 student: rank 0 alone reads the checkpoint; every rank builds the model on ``meta``,
@@ -384,7 +391,8 @@ class _FSDP2:
         return tensor
 
     def backward(self, student, loss, sync: bool) -> None:
-        student.set_requires_gradient_sync(sync)
+        # every micro-batch's gradients reduce-scattered at once (``sync`` ignored): between micro-batches a rank
+        # holds only its shard of them; deferring the sync would keep each unit's whole fp32 gradient on every rank
         loss.backward()
 
     def barrier(self) -> None:
