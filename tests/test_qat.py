@@ -273,3 +273,35 @@ def test_fake_quant_stays_fp32_under_autocast_and_bf16_inputs():
     out = module(x.bfloat16())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), module(x), rtol=2e-2, atol=2e-2)
+
+
+def test_tied_modules_get_one_post_training_start():
+    """A tied lm_head shares embed_tokens' weight: one start for both (a second one, computed from the first's
+    master, gave the two modules different tables and moved the shared weight: SmolLM2's first QAT KL was 3.19
+    instead of its direct cast's 1.2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline import ptq
+    from pipeline.models import quantised_weight_names
+    from pipeline.qat.train import QATParams, _quantise
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                         tie_word_embeddings=True))
+    fmt = formats.get("s3d8")
+    embed = model.model.embed_tokens.weight.detach().clone()
+    names = quantised_weight_names(model)
+    states = {saved.removesuffix(".weight"): fmt.fit(model.get_submodule(m).weight.detach())
+              for m, saved in names.items()}
+    calls = []
+
+    def start(name, w):
+        calls.append(name)
+        return ptq.start("s3d8", w, method="search")
+
+    _quantise(model, fmt, states, QATParams(init="ptq", learn_scales=True), start, {})
+    assert len(calls) == len(set(calls)) == len(states)
+    head, emb = model.lm_head, model.model.embed_tokens
+    assert head.weight is emb.weight and torch.equal(head.qstate["table"], emb.qstate["table"])
+    assert torch.equal(head.quantized_weight(), ptq.direct_cast("s3d8", embed, method="search"))

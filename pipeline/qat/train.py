@@ -429,16 +429,19 @@ def _quantise(model, fmt: FormatBase, states: dict, p: QATParams, start: Start |
     names.update(mapping)
     by_module = states_by_module(model, states)
     meta = next(model.parameters()).device.type == "meta"
-    started = {}
+    started, by_weight = {}, {}
     if p.init == "ptq" and not meta:
         with progress() as bar:
             task = bar.add_task(f"qat {fmt.name}: post-training start", total=len(mapping))
             for module_name, saved in mapping.items():
-                weight = model.get_submodule(module_name).weight
-                decoded, state, scale = start(saved.removesuffix(".weight"), weight.detach())
-                with torch.no_grad():
-                    weight.copy_(decoded.to(weight.dtype))
-                by_module[module_name], started[module_name] = state, scale
+                key = saved.removesuffix(".weight")
+                if key not in by_weight:      # tied modules (lm_head and embed_tokens) share one weight: one start
+                    weight = model.get_submodule(module_name).weight
+                    master, state, scale = start(key, weight.detach())
+                    with torch.no_grad():
+                        weight.copy_(master.to(weight.dtype))
+                    by_weight[key] = (state, scale)
+                by_module[module_name], started[module_name] = by_weight[key]
                 bar.advance(task)
     scales = None
     if p.learn_scales:
