@@ -55,14 +55,14 @@ import time
 
 import torch
 
+from pipeline.layout import GROUP, TABLE_SHAPE, packed_shape
+
 try:
     from pipeline._s3d8_native import ffi, lib
 except ImportError as exc:  # pragma: no cover - only without a build
     raise ImportError("pipeline._s3d8_native is not built: run `.venv/bin/python native/build.py` "
                       "(./setup.sh does it)") from exc
 
-GROUP = 3
-TABLE_SHAPE = (32, 3)
 PATHS = ("fused", "tiled", "torch")
 INT8_MAX = 127
 K_MAX = 133_144            # largest d_in with 127 * 127 * k < 2^31 (int32 accumulators exact)
@@ -267,7 +267,7 @@ def _check_table_values(table: torch.Tensor) -> None:
 def _check_s3d8(packed, table, shape, values: bool = True) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     d_out, d_in = _check_shape(shape)
     packed = _check(packed, "packed", torch.uint8, (1, 2))
-    rows, cols = -(-d_out // GROUP), _pad(d_in, 16)
+    rows, cols = packed_shape(d_out, d_in)
     if packed.numel() != rows * cols or (packed.dim() == 2 and tuple(packed.shape) != (rows, cols)):
         raise ValueError(f"packed: a weight of shape ({d_out}, {d_in}) needs [{rows}, {cols}] = "
                          f"{rows * cols} bytes, got shape {list(packed.shape)}")
@@ -361,7 +361,7 @@ def s3d8_encode(weight: torch.Tensor, table: torch.Tensor, threads: int | None =
         raise ValueError(f"weight: {bad.shape[0]} non-finite value(s) (NaN or +-Inf), the first "
                          f"{float(weight[r, c])} at [{r}, {c}]; S3D8 encodes finite weights only")
     table = _check_table(table)
-    packed = torch.empty(-(-d_out // GROUP), _pad(d_in, 16), dtype=torch.uint8)
+    packed = torch.empty(packed_shape(d_out, d_in), dtype=torch.uint8)
     if scale is not None:
         if not isinstance(scale, torch.Tensor) or scale.numel() != d_out:
             raise ValueError(f"scale: expected {d_out} channel scales, got "
@@ -472,7 +472,7 @@ def s3d8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tabl
     else:
         rows = min(_pad(d_out, GROUP), max(GROUP * TILE_GROUPS, TORCH_TILE_BYTES // d_in // GROUP * GROUP))
         tile = _scratch("decoded", rows * d_in, torch.int8).view(rows, d_in)
-        k16 = _pad(d_in, 16)
+        k16 = packed_shape(d_out, d_in)[1]
         for r0 in range(0, d_out, rows):
             n = min(rows, d_out - r0)
             _ok(lib.s3d8_decode(v, t, n, d_in, p_packed + (r0 // GROUP) * k16, p_table,
@@ -586,7 +586,7 @@ class S3D8Linear(torch.nn.Module):
                 raise ValueError(f"bias: expected a floating-point tensor of {d_out} values, got "
                                  f"{list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
             bias = bias.detach().float().reshape(d_out).contiguous()
-        self.register_buffer("packed", packed.reshape(-(-d_out // GROUP), _pad(d_in, 16)))
+        self.register_buffer("packed", packed.reshape(packed_shape(d_out, d_in)))
         self.register_buffer("scale", _check_scale(scale, d_out))
         self.register_buffer("table", table)
         self.register_buffer("bias", bias)

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.layout import GROUP
+
 IMPLS = ("lean", "hf")
 DEFAULT_IMPL = "lean"
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
@@ -142,9 +144,9 @@ class S3D8RowEmbedding(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
             raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], {n} embeddings")
         flat = ids.reshape(-1)
-        groups, inverse = torch.unique(flat // 3, return_inverse=True)
-        decoded = native.s3d8_decode_int8(self.packed[groups].contiguous(), self.table, (3 * groups.numel(), d))
-        rows = decoded[inverse * 3 + flat % 3].float() * self.scale[flat].float()[:, None]
+        groups, inverse = torch.unique(flat // GROUP, return_inverse=True)
+        decoded = native.s3d8_decode_int8(self.packed[groups].contiguous(), self.table, (GROUP * groups.numel(), d))
+        rows = decoded[inverse * GROUP + flat % GROUP].float() * self.scale[flat].float()[:, None]
         return rows.to(self.dtype).reshape(*ids.shape, d)
 
 

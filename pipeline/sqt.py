@@ -47,12 +47,13 @@ from pathlib import Path
 
 import torch
 
+from pipeline.layout import TABLE_SHAPE, packed_shape
+
 MAGIC = b".sqt"
 VERSION = 3
 DEFAULT_ALIGNMENT = 32
 PREFIX_BYTES = 16                  # magic, version, header length
 DTYPES = ("BF16", "INT8", "S3D8")
-TABLE_SHAPE = (32, 3)
 _FORCE_BF16 = (                    # quantised in the packed file, decoded and stored as BF16 (SPEC section 9)
     "vision_model.multi_modal_projector.weight",
     "vision_model.gated_positional_embedding.tile_embedding.weight",
@@ -120,8 +121,7 @@ def expected_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     if dtype == "INT8":
         return math.prod(shape)
     if dtype == "S3D8":
-        d_out, d_in = shape
-        return -(-d_out // 3) * align(d_in, 16)
+        return math.prod(packed_shape(*shape))
     raise ValueError(f"unknown dtype {dtype!r}")
 
 

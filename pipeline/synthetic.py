@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.quant import int8_activations
-
+from pipeline import layout
 from pipeline.io import atomic_path
+from pipeline.quant import int8_activations
 
 BLOCK_ELEMS = 1 << 25          # weights generated at a time (128 MiB of float32)
 STUDENT_DF = 5.0
@@ -162,16 +162,14 @@ class ChunkedWriter:
 
 
 def _specs(fmt: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    from pipeline.formats import s3d8 as s3d8_format
-
     out = []
     for name, shape in shapes.items():
         if len(shape) == 1:
             out.append((name, torch.float32, shape))
         elif fmt == "s3d8":
-            rows, cols = s3d8_format.packed_shape(shape)
+            rows, cols = layout.packed_shape(*shape)
             out += [(f"{name}.packed", torch.uint8, (rows * cols,)), (f"{name}.scale", torch.bfloat16, (shape[0], 1)),
-                    (f"{name}.table", torch.int8, (32, 3))]
+                    (f"{name}.table", torch.int8, layout.TABLE_SHAPE)]
         elif fmt == "int8":
             out += [(f"{name}.int8", torch.int8, shape), (f"{name}.scale", torch.bfloat16, (shape[0], 1))]
         else:
@@ -200,14 +198,14 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
                               max_vectors=1 << 16)
     writers = {}
     for f in formats:
-        meta = {"format": f, "layout": {"s3d8": "llama-mobile-s3d8-packed-v1", "int8": "s3d8-pipeline-int8-rows-v1",
+        meta = {"format": f, "layout": {"s3d8": layout.NAME, "int8": "s3d8-pipeline-int8-rows-v1",
                                         "bf16": "bf16"}[f],
                 "config": json.dumps(cfg, sort_keys=True, default=str),
                 "shapes": json.dumps({k: list(v) for k, v in shapes.items() if len(v) == 2}, sort_keys=True),
                 "synthetic": json.dumps({"preset": name, "seed": seed, "student_df": STUDENT_DF,
                                          "row_sigma": ROW_SIGMA, "col_sigma": COL_SIGMA, "base_std": BASE_STD})}
         if f == "s3d8":
-            meta["llama_mobile_format"] = "llama-mobile-s3d8-packed-v1"
+            meta["llama_mobile_format"] = layout.NAME
         writers[f] = ChunkedWriter(paths[f], _specs(f, shapes), meta)
     ok = False
     try:

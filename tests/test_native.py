@@ -577,3 +577,33 @@ def test_path_tuning_changes_speed_not_bits(monkeypatch, op):
     assert (list(native._tuned)[0][0] == "int8") == (op == "int8") and len(native._tuned) == 1
     assert torch.equal(run(), expected)                   # the tuned path
     assert len(native._tuned) == 1
+
+
+def _declarations(text: str) -> dict[str, str]:
+    """``{function name: its prototype with whitespace normalised}`` of the C declarations in ``text``."""
+    import re
+
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    found = {}
+    for m in re.finditer(r"(?:^|[;}\n])\s*((?:static\s+)?(?:const\s+)?[A-Za-z_][\w\s\*]*?\b(s3d8_\w+)\s*\([^;{)]*\))\s*[;{]",
+                         text):
+        found[m.group(2)] = re.sub(r"\s+", " ", re.sub(r"\s*([(),*\[\]])\s*", r"\1", m.group(1))).strip()
+    return found
+
+
+def test_cffi_declarations_are_the_headers():
+    """native/build.py's cdef states each function exactly as native/s3d8.h declares it (or, for the wrappers it
+    compiles itself, as its own C source defines them): a hand copy that cannot drift."""
+    import importlib.util as iu
+
+    root = Path(__file__).resolve().parent.parent / "native"
+    spec = iu.spec_from_file_location("native_build", root / "build.py")
+    build = iu.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    cdef = _declarations(build.CDEF)
+    header = _declarations((root / "s3d8.h").read_text())
+    own = {k: v.removeprefix("static ") for k, v in _declarations((root / "build.py").read_text()).items()
+           if v.startswith("static ")}
+    assert len(cdef) >= 15
+    for name, proto in cdef.items():
+        assert proto == header.get(name, own.get(name)), name

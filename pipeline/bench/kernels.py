@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pipeline import native
+from pipeline import layout, native
 from pipeline.bench import PAPER_SHAPES, BenchParams
 
 OP_NAMES = {shape: (op, pixel) for op, shape, pixel in PAPER_SHAPES}
@@ -88,12 +88,12 @@ def n_copies(nbytes: int, p: BenchParams) -> int:
 def make_impls(m: int, k: int, n: int, threads: int, p: BenchParams, gen: torch.Generator) -> list[Impl]:
     lib_variant = p.variant or native.variant()
     torch_variant = f"torch-{torch.backends.cpu.get_cpu_capability()}"
-    rows, cols = -(-n // 3), -(-k // 16) * 16
+    rows, cols = layout.packed_shape(n, k)
     x = torch.randn(m, k, generator=gen)
     x_bf16 = x.to(torch.bfloat16)
     xq, _ = native.quantize_activations(x)
     scale = (torch.rand(n, 1, generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
-    table = torch.randint(0, 128, (32, 3), dtype=torch.int8, generator=gen)
+    table = torch.randint(0, 128, layout.TABLE_SHAPE, dtype=torch.int8, generator=gen)
     v = p.variant
     fused = m <= native.FUSED_MAX_M
 

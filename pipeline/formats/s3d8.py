@@ -16,13 +16,12 @@ import warnings
 
 import torch
 
-from pipeline.formats.base import FormatBase, PackedSpecs, State, ceil_div, check_shape, check_weight, round_up
+from pipeline import layout
+from pipeline.formats.base import FormatBase, PackedSpecs, State, ceil_div, check_shape, check_weight
+from pipeline.layout import GROUP, N_CENTROIDS, TABLE_SHAPE
 from pipeline.quant import straight_through
 
 NAME = "s3d8"
-N_CENTROIDS = 32
-GROUP = 3          # weights per byte, along the output dimension
-COL_ALIGN = 16     # d_in is padded to a multiple of this
 TABLE_BYTES = N_CENTROIDS * GROUP
 
 # Work sizes per device type: (vectors per nearest-centroid step, weights per encoding block). On the CPU a
@@ -38,15 +37,14 @@ def _work_sizes(device: torch.device) -> tuple[int, int]:
 
 
 def packed_shape(shape) -> tuple[int, int]:
-    d_out, d_in = check_shape(shape)
-    return ceil_div(d_out, GROUP), round_up(d_in, COL_ALIGN)
+    return layout.packed_shape(*check_shape(shape))
 
 
 def check_table(table: torch.Tensor) -> torch.Tensor:
     """Validate a centroid table: int8 (or integer) ``[32, 3]`` with values in [0, 127]."""
     if not isinstance(table, torch.Tensor):
         raise ValueError(f"table: expected a torch.Tensor, got {type(table).__name__}")
-    if tuple(table.shape) != (N_CENTROIDS, GROUP):
+    if tuple(table.shape) != TABLE_SHAPE:
         raise ValueError(f"table: expected shape [32, 3], got {list(table.shape)}")
     if table.is_floating_point() or table.dtype == torch.bool or table.is_complex():
         raise ValueError(f"table: expected an integer dtype (int8), got {table.dtype}")
@@ -375,7 +373,7 @@ def fit_centroids(weight: torch.Tensor, *, seed: int = 0, max_vectors: int = 2 *
     return centroids.round().clamp(0, 127).to(torch.int8)
 
 
-LAYOUT = "llama-mobile-s3d8-packed-v1"
+LAYOUT = layout.NAME
 """The packed layout of SPEC section 7, readable by the Llama-Mobile reference loader."""
 
 
@@ -407,7 +405,7 @@ class S3D8(FormatBase):
     def packed_specs(self, shape, state: State) -> PackedSpecs:
         rows, cols = packed_shape(shape)
         return {"packed": (torch.uint8, (rows * cols,)), "scale": (torch.bfloat16, (shape[0], 1)),
-                "table": (torch.int8, (N_CENTROIDS, GROUP))}
+                "table": (torch.int8, TABLE_SHAPE)}
 
     def pack(self, weight: torch.Tensor, state: State) -> dict[str, torch.Tensor]:
         if native_or_none() is None:  # the reference encoder is bit-identical (tested), only slower
@@ -422,7 +420,7 @@ class S3D8(FormatBase):
         return {"llama_mobile_format": LAYOUT}
 
     def row_block(self, tensors, shape, r0: int, r1: int):
-        cols = round_up(shape[1], COL_ALIGN)
+        cols = packed_shape(shape)[1]
         g0, g1 = r0 // GROUP, ceil_div(r1, GROUP)
         return ({"packed": tensors["packed"].reshape(-1)[g0 * cols:g1 * cols], "scale": tensors["scale"][r0:r1],
                  "table": tensors["table"]}, (r1 - r0, shape[1]))
