@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 
 from pipeline import ptq
-from pipeline.checkpoint import StreamingWriter
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.params import non_negative, positive
+from pipeline.safetensors_io import StreamingWriter
 from pipeline.qat.data import collate, load_examples, model_inputs, split_heldout
 from pipeline.teacher import TeacherParams
 

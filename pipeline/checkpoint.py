@@ -1,4 +1,4 @@
-"""Reading and writing safetensors checkpoints one tensor at a time.
+"""Reading safetensors checkpoints one tensor at a time.
 
 A Hugging Face model directory holds ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``; tensor names there are the checkpoint's names (for Mllama,
@@ -6,8 +6,7 @@ A Hugging Face model directory holds ``model.safetensors`` or shards listed in
 project (fitted states, packed models) use the checkpoint names, so that the 11B model's tensors can
 be streamed without ever building the model; :func:`module_to_checkpoint_names` gives the mapping.
 
-:class:`StreamingWriter` writes a safetensors file whose tensors are produced one at a time (the
-``safetensors`` package needs them all in memory at once), atomically.
+Writing goes through :mod:`pipeline.safetensors_io`.
 """
 
 from __future__ import annotations
@@ -15,21 +14,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-import struct
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from pipeline.io import atomic_path
+from pipeline.safetensors_io import TORCH_DTYPES
 
-_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-    torch.bool: "BOOL",
-}
-_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
 def check_regular_file(path: str | os.PathLike, what: str = "file") -> Path:
@@ -136,7 +127,7 @@ class CheckpointReader:
 
     def dtype(self, name: str) -> torch.dtype | None:
         """The tensor's torch dtype from its header (None for a dtype this project never writes)."""
-        return _TORCH_DTYPES.get(self.dtype_name(name))
+        return TORCH_DTYPES.get(self.dtype_name(name))
 
     def nbytes(self, name: str) -> int:
         """Bytes the tensor takes, from its header."""
@@ -164,76 +155,3 @@ def module_to_checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
     if len(mapping) != len(names):
         raise RuntimeError("checkpoint renaming is not one-to-one for this model")
     return mapping
-
-
-class StreamingWriter:
-    """Write a safetensors file tensor by tensor, in the order the tensors were declared.
-
-    Declare every tensor's dtype and shape up front (the header comes first), then ``write`` them in
-    that order; ``close`` checks that all were written and renames the file into place.
-    """
-
-    def __init__(self, path: str | os.PathLike, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
-        self.path = Path(path)
-        header: dict[str, object] = {}
-        if metadata:
-            header["__metadata__"] = {k: str(metadata[k]) for k in sorted(metadata)}   # same input, same bytes
-        self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
-        offset = 0
-        for name, dtype, shape in specs:
-            if name in header:
-                raise ValueError(f"tensor {name!r} declared twice")
-            nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self._order.append((name, dtype, tuple(shape), nbytes))
-            offset += nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self._next = 0
-        self._ctx = atomic_path(self.path)
-        self._tmp = self._ctx.__enter__()
-        self._file = open(self._tmp, "wb")
-        self._file.write(struct.pack("<Q", len(blob)) + blob)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        if self._next >= len(self._order):
-            raise ValueError(f"tensor {name!r} was not declared")
-        want, dtype, shape, nbytes = self._order[self._next]
-        if name != want:
-            raise ValueError(f"expected tensor {want!r} next, got {name!r}")
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"tensor {name!r}: declared {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
-        data = tensor.detach().contiguous().cpu().reshape(-1)
-        self._file.write(data.view(torch.uint8).numpy().tobytes() if nbytes else b"")
-        self._next += 1
-
-    def close(self) -> None:
-        self._file.close()
-        if self._next != len(self._order):
-            missing = [n for n, *_ in self._order[self._next:]]
-            self._ctx.__exit__(RuntimeError, None, None)
-            raise RuntimeError(f"{self.path}: {len(missing)} declared tensors were not written, e.g. {missing[:3]}")
-        self._ctx.__exit__(None, None, None)
-
-    def abort(self) -> None:
-        self._file.close()
-        self._ctx.__exit__(RuntimeError, None, None)
-
-    def __enter__(self) -> "StreamingWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-
-def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """A small safetensors file, atomically and byte-reproducibly (tensors and metadata in sorted order;
-    the ``safetensors`` package orders its metadata differently from run to run)."""
-    names = sorted(tensors)
-    with StreamingWriter(path, [(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], metadata) as w:
-        for n in names:
-            w.write(n, tensors[n])

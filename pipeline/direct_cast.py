@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 
 from pipeline import ptq
-from pipeline.checkpoint import write_tensors
 from pipeline.formats import FormatBase
+from pipeline.safetensors_io import write_tensors
 
 INDEX = "index.json"
 REST = "rest"

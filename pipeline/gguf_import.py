@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.checkpoint import StreamingWriter
+from pipeline.safetensors_io import StreamingWriter
 
 
 class SourceError(ValueError):

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -47,12 +46,14 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader, StreamingWriter
+from pipeline.checkpoint import CheckpointReader
 from pipeline.models import checkpoint_names
 from pipeline.packed import (DECODES, PACKED_VERSION, LazyPackedEmbedding, LazyPackedLinear, PackedEmbedding,
                              PackedLinear, _check_finite, _validate_blockwise, check_kernel, read_metadata,
                              write_packed)
 from pipeline.recipe import quantised_modules, replace
+from pipeline import safetensors_io
+from pipeline.safetensors_io import TORCH_DTYPES, StreamingWriter
 
 GUARD_PREFIX = "s3d8-pipeline-"
 BASE_MODEL_TYPES = ("mllama", "llama")
@@ -73,9 +74,6 @@ MAX_SHARD_SIZE = 5 * 10**9
 file, the reference's layout). Not a parameter in ``params.yaml``: it changes the layout, not a result."""
 KERNELS = ("auto", "torch", "native")
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-           "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-           "BOOL": torch.bool}
 
 logger = logging.getLogger("transformers.quantizers.s3d8")
 
@@ -102,19 +100,8 @@ def _packable(name, what: str = "quantization_config.format"):
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
     """``({tensor: (dtype, shape)}, metadata)`` of a safetensors file, from its header alone."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100 * 2**20:
-                raise ValueError(f"header length {n} is implausible")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: file not found") from None
-    except (OSError, ValueError, struct.error) as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-    meta = header.pop("__metadata__", None) or {}
-    return {k: (v["dtype"], list(v["shape"])) for k, v in header.items()}, meta
+    entries, meta, _ = safetensors_io.read_header(path)
+    return {k: (v["dtype"], list(v["shape"])) for k, v in entries.items()}, meta
 
 
 # --- the quantization config and quantizer registered with transformers ---------------------------------
@@ -321,9 +308,9 @@ class PackedHfQuantizer(HfQuantizer):
             specs = {}
             for s, key in parts.items():
                 dtype = header[key][0]
-                if dtype not in _DTYPES:
+                if dtype not in TORCH_DTYPES:
                     raise ValueError(f"{where[key]}: tensor {key!r} has dtype {dtype}")
-                specs[s] = (_DTYPES[dtype], header[key][1])
+                specs[s] = (TORCH_DTYPES[dtype], header[key][1])
             replace(model, module_name, _PackedSlot(module, specs, shape))
             packed[module_name] = saved
             expected.discard(saved)
@@ -511,7 +498,7 @@ def shard(directory: str | os.PathLike, max_shard_size: int = MAX_SHARD_SIZE) ->
 
     def nbytes(name: str) -> int:
         dtype, shape = header[name]
-        return int(torch.Size(shape).numel()) * torch.empty(0, dtype=_DTYPES[dtype]).element_size()
+        return int(torch.Size(shape).numel()) * torch.empty(0, dtype=TORCH_DTYPES[dtype]).element_size()
 
     shards: list[list[str]] = [[]]
     size = 0
@@ -525,7 +512,7 @@ def shard(directory: str | os.PathLike, max_shard_size: int = MAX_SHARD_SIZE) ->
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, names in zip(files, shards):
-        specs = [(n, _DTYPES[header[n][0]], tuple(header[n][1])) for n in names]
+        specs = [(n, TORCH_DTYPES[header[n][0]], tuple(header[n][1])) for n in names]
         with StreamingWriter(directory / file, specs, meta) as writer:
             for n in names:
                 writer.write(n, reader.get(n))
@@ -660,7 +647,7 @@ def save_packed(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".s3d8-save.", dir=directory))
     try:
-        specs = [(n, _DTYPES[header[n][0]], tuple(header[n][1])) for n in sorted(header)]
+        specs = [(n, TORCH_DTYPES[header[n][0]], tuple(header[n][1])) for n in sorted(header)]
         with StreamingWriter(tmp / WEIGHTS_NAME, specs, source["metadata"]) as writer:
             for name, dtype, shape in specs:
                 t = tensors[name].detach().to("cpu")

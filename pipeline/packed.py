@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import formats
-from pipeline.checkpoint import _DTYPES as _DTYPE_NAMES
-from pipeline.checkpoint import CheckpointReader, StreamingWriter
+from pipeline.checkpoint import CheckpointReader
 from pipeline.formats import FormatBase
 from pipeline.models import checkpoint_names, meta_model
 from pipeline.quant import fake_quant_activations
 from pipeline.recipe import Quantised, quantised_modules, replace
+from pipeline.safetensors_io import DTYPES, StreamingWriter
 
 PACKED_VERSION = "1"
 
@@ -438,9 +438,9 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
         for suffix, (want_dtype, want_shape) in fmt.packed_specs(shape, {}).items():
             key = parts[suffix]
             got_dtype, got_shape = reader.dtype_name(key), reader.shape(key)
-            if got_dtype != _DTYPE_NAMES[want_dtype]:
+            if got_dtype != DTYPES[want_dtype]:
                 raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, format {fmt.name!r} stores it "
-                                 f"as {_DTYPE_NAMES[want_dtype]}")
+                                 f"as {DTYPES[want_dtype]}")
             if tuple(got_shape) != tuple(want_shape):
                 raise ValueError(f"{path}: tensor {key!r} has shape {list(got_shape)}, a weight of logical shape "
                                  f"{list(shape)} needs {list(want_shape)}")
@@ -464,7 +464,7 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
             raise ValueError(f"{path}: tensor {key!r} has shape {list(got_shape)}, the model expects "
                              f"{list(target.shape)}")
         if target.is_floating_point():
-            if got_dtype not in {_DTYPE_NAMES[d] for d in _FLOAT_DTYPES}:
+            if got_dtype not in {DTYPES[d] for d in _FLOAT_DTYPES}:
                 raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects a floating-point "
                                  f"tensor")
             float_dtypes.setdefault(got_dtype, []).append(key)

@@ -45,12 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline import safetensors_io
 from pipeline.layout import GROUP
+from pipeline.safetensors_io import TORCH_DTYPES
 
 IMPLS = ("lean", "hf")
 DEFAULT_IMPL = "lean"
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
-              "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32, "F64": torch.float64, "BOOL": torch.bool}
 
 
 class RuntimeInputError(ValueError):
@@ -65,22 +65,10 @@ def read_header(path: str | Path) -> tuple[dict, dict[str, str], int]:
     if not path.is_file():
         raise RuntimeInputError(f"{path}: no such file")
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(path.stat().st_size, 1 << 30):
-                raise ValueError
-            header = json.loads(f.read(n))
-        if not isinstance(header, dict):
-            raise ValueError
-        meta = header.pop("__metadata__", {}) or {}
-        end = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
-    except (ValueError, struct.error, UnicodeDecodeError, TypeError, KeyError, IndexError, AttributeError):
-        raise RuntimeInputError(f"{path}: not a safetensors file (a packed model is one)") from None
-    size = path.stat().st_size
-    if 8 + n + end != size:
-        raise RuntimeInputError(f"{path}: truncated or corrupt: its header describes {8 + n + end} bytes, the file "
-                                f"holds {size}")
-    return header, meta, 8 + n
+        return safetensors_io.read_header(path)
+    except (OSError, ValueError) as e:
+        raise RuntimeInputError(f"{e} (a packed model is a safetensors file)" if "truncated" not in str(e)
+                                else str(e)) from None
 
 
 def read_tensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -89,7 +77,7 @@ def read_tensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tens
     out = {}
     with open(path, "rb", buffering=0) as f:
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            dtype = _ST_DTYPES[e["dtype"]]
+            dtype = TORCH_DTYPES[e["dtype"]]
             t = torch.empty(e["shape"], dtype=dtype)
             a, b = e["data_offsets"]
             f.seek(base + a)

@@ -37,6 +37,7 @@ import torch
 from pipeline import layout
 from pipeline.io import atomic_path
 from pipeline.quant import int8_activations
+from pipeline.safetensors_io import StreamingWriter
 
 BLOCK_ELEMS = 1 << 25          # weights generated at a time (128 MiB of float32)
 STUDENT_DF = 5.0
@@ -119,48 +120,6 @@ def block_rows(shape: tuple[int, int]) -> int:
     return max(3, BLOCK_ELEMS // shape[1] // 3 * 3)
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int8: "I8", torch.uint8: "U8"}
-
-
-class ChunkedWriter:
-    """A safetensors writer that takes each declared tensor's bytes in pieces, in declared order."""
-
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict) -> None:
-        header: dict = {"__metadata__": {k: str(v) for k, v in sorted(metadata.items())}}
-        self.sizes, offset = [], 0
-        for name, dtype, shape in specs:
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self.sizes.append((name, nbytes))
-            offset += nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self._ctx = atomic_path(path)
-        self._file = open(self._ctx.__enter__(), "wb")
-        self._file.write(struct.pack("<Q", len(blob)) + blob)
-        self._i, self._done = 0, 0
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        want, nbytes = self.sizes[self._i]
-        if name != want:
-            raise ValueError(f"expected {want!r} next, got {name!r}")
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._file.write(data.tobytes())
-        self._done += data.size
-        if self._done > nbytes:
-            raise ValueError(f"{name}: more bytes than declared")
-        if self._done == nbytes:
-            self._i, self._done = self._i + 1, 0
-
-    def close(self, ok: bool = True) -> None:
-        self._file.close()
-        complete = ok and self._i == len(self.sizes)
-        err = RuntimeError("synthetic model file incomplete")
-        self._ctx.__exit__(None if complete else RuntimeError, None if complete else err, None)
-        if ok and not complete:
-            raise err
-
-
 def _specs(fmt: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     out = []
     for name, shape in shapes.items():
@@ -206,7 +165,7 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
                                          "row_sigma": ROW_SIGMA, "col_sigma": COL_SIGMA, "base_std": BASE_STD})}
         if f == "s3d8":
             meta["llama_mobile_format"] = layout.NAME
-        writers[f] = ChunkedWriter(paths[f], _specs(f, shapes), meta)
+        writers[f] = StreamingWriter(paths[f], _specs(f, shapes), meta)
     ok = False
     try:
         for tname, shape in shapes.items():
@@ -224,14 +183,14 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
                 block = s.rows(r0, min(r0 + rows, shape[0]))
                 if "s3d8" in writers:
                     packed, sc = native.s3d8_encode(block, table)
-                    writers["s3d8"].write(f"{tname}.packed", packed)
+                    writers["s3d8"].write_part(f"{tname}.packed", packed)
                     scales["s3d8"].append(sc)
                 if "int8" in writers:
                     q, sc = int8_activations(block)     # the INT8 format's rows: the one quantiser
-                    writers["int8"].write(f"{tname}.int8", q)
+                    writers["int8"].write_part(f"{tname}.int8", q)
                     scales["int8"].append(sc)
                 if "bf16" in writers:
-                    writers["bf16"].write(tname, block.to(torch.bfloat16))
+                    writers["bf16"].write_part(tname, block.to(torch.bfloat16))
                 del block
             for f in ("s3d8", "int8"):
                 if f in writers:
@@ -241,7 +200,7 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
         ok = True
     finally:
         for w in writers.values():
-            w.close(ok)
+            w.close() if ok else w.abort()
     return paths
 
 

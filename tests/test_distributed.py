@@ -181,12 +181,13 @@ def test_dvc_stages_that_launch_list_the_launcher_and_its_params():
     from pipeline.depgraph import project_imports
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     launched = {name: s for name, s in dvc.items() if "pipeline.launch" in s["cmd"]}
-    assert set(launched) == {"teacher-generate", "qat-train", "eval"}
+    assert set(launched) == {"teacher-generate", "direct-cast", "qat-train", "eval"}
     for name, stage in launched.items():
         deps = [str(d) for d in stage["deps"]]
         for f in project_imports("pipeline/launch.py"):
             assert any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps), (name, f)
-    assert {"launch.num_processes", "launch.config_file", "launch.backend"} <= set(dvc["teacher-generate"]["params"])
+    for name in ("teacher-generate", "direct-cast"):
+        assert {"launch.num_processes", "launch.config_file", "launch.backend"} <= set(dvc[name]["params"])
     from pipeline.launch import LaunchParams
     assert {f"launch.{k}" for k in LaunchParams.__dataclass_fields__} <= set(dvc["qat-train"]["params"])
 

@@ -9,7 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader, StreamingWriter
+from pipeline.checkpoint import CheckpointReader
+from pipeline.safetensors_io import StreamingWriter
 from pipeline.models import load_model, meta_model, quantised_weight_names, states_by_module
 from pipeline.packed import (LazyPackedEmbedding, LazyPackedLinear, PackedEmbedding, PackedLinear,
                              load_packed_model, write_packed)

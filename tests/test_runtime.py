@@ -187,7 +187,7 @@ def test_cli_bad_input_is_one_line(synth, tmp_path, packed_toy):
     junk.write_bytes(b"not a model")
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(synth["s3d8"].read_bytes()[:-100])
-    for args, needle in [((junk, "--prompt", "x"), "not a safetensors file"),
+    for args, needle in [((junk, "--prompt", "x"), "not a readable safetensors file"),
                          ((truncated, "--prompt", "x"), f"{truncated}: truncated or corrupt"),
                          ((synth["s3d8"], "--prompt", "x", "--threads", "-2"), "--threads -2"),
                          ((synth["s3d8"].parent / "missing.safetensors", "--prompt", "x"), "no such file"),

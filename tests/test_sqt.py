@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader, write_tensors
+from pipeline.checkpoint import CheckpointReader
+from pipeline.safetensors_io import write_tensors
 from pipeline.packed import write_packed
 from pipeline.sqt import (MAGIC, VERSION, SqtError, align, expected_bytes, export, read_sqt, standard_name,
                           vocab_block)

@@ -246,9 +246,9 @@ def test_every_output_is_byte_reproducible(chain, tmp_path, teacher):
 
 
 @pytest.mark.parametrize("stage, function, calls", [
-    (("fit_centroids.py", "--format", "s3d8"), "pipeline.checkpoint:StreamingWriter.write", 3),
+    (("fit_centroids.py", "--format", "s3d8"), "pipeline.safetensors_io:StreamingWriter.write", 3),
     (("sample_prompts.py",), "pipeline.shards.write_shard", 1),
-    (("pack_safetensors.py", "--format", "s3d8"), "pipeline.checkpoint:StreamingWriter.write", 5),
+    (("pack_safetensors.py", "--format", "s3d8"), "pipeline.safetensors_io:StreamingWriter.write", 5),
 ])
 def test_a_kill_inside_a_write_leaves_nothing_and_a_rerun_gives_the_same_outputs(chain, tmp_path, teacher,
                                                                                stage, function, calls):

@@ -31,7 +31,6 @@ from typing import Callable, Literal
 import torch
 
 from pipeline import ptq
-from pipeline.checkpoint import write_tensors
 from pipeline.formats import FormatBase, s3d8
 from pipeline.io import atomic_dir
 from pipeline.launch import LaunchParams, resolve_backend
@@ -44,6 +43,7 @@ from pipeline.qat.data import Example, batch_indices, collate, model_inputs
 from pipeline.qat.loss import kl_sum
 from pipeline.qat.modules import _FakeQuant, learned_scale
 from pipeline.recipe import quantised_modules
+from pipeline.safetensors_io import write_tensors
 from pipeline.stage import console, progress
 
 
