@@ -113,9 +113,9 @@ def command(script: str, args: list[str], p: LaunchParams) -> list[str]:
 def run_stage(main: Callable[[], object]) -> None:
     """Run a launched stage script's ``main``, then leave the process group it formed (through ``accelerate``
     or ``pipeline.qat.distributed``), on return and on error alike: accelerate's ``end_training`` convention.
-    A gloo group left to the interpreter's exit once aborted a stage (``terminate called without an active
-    exception``, exit code -6) right after it had printed a clean error that should have exited with 1.
-    A group that was formed before the call is left alone."""
+    A gloo group left to the interpreter's exit can abort the process (``terminate called without an active
+    exception``, exit code -6) after a clean error that should exit with 1. A group that was formed before the
+    call is left alone."""
     import torch.distributed as dist
     owned = not dist.is_initialized()
     try:

@@ -14,7 +14,6 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 from pathlib import Path
 
 import torch
@@ -529,8 +528,3 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     model.eval()
     return model
 
-
-@dataclass
-class PackParams:
-    dtype: str = "bfloat16"      # of the tensors that are not quantised
-    method: Literal["absmax", "search", "gptq"] = "gptq"   # the direct cast's post-training method (pipeline.ptq)

@@ -165,7 +165,7 @@ SECTIONS: dict[str, str] = {
     "generate": "pipeline.generate:GenerateParams",
     "calibrate": "pipeline.calibrate:CalibrateParams",
     "qat": "pipeline.qat.train:QATParams",
-    "pack": "pipeline.packed:PackParams",
+    "pack": "pipeline.ptq:PackParams",
     "eval": "pipeline.eval.suite:EvalParams",
     "bench": "pipeline.bench:BenchParams",
     "launch": "pipeline.launch:LaunchParams",

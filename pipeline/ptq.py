@@ -32,15 +32,27 @@ Every method returns the packed tensors a packer writes (:func:`pack`) and their
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal, get_args
+
 import torch
 
 from pipeline.formats import s3d8, scalar
 from pipeline.formats.base import ceil_div, check_weight
 from pipeline.quant import INT8_MAX, channel_scale
 
-METHODS = ("absmax", "search", "gptq")
-DEFAULT_METHOD = "gptq"       # the toy world's measurement favours it (README "Results"); without a Hessian it is the search
-"""What ``method=None`` means: the scale search (benchmarks/real_weights.py, reports/real_weights.md)."""
+Method = Literal["absmax", "search", "gptq"]
+METHODS = get_args(Method)
+DEFAULT_METHOD: Method = "gptq"
+"""What ``method=None`` means: GPTQ on the calibration's ``X^T X`` (the scale search where a weight has none);
+the toy world's measurement favours it (README "Results")."""
+
+
+@dataclass
+class PackParams:
+    """The ``pack`` section of ``params.yaml``: read by direct-cast (the method) and pack-safetensors."""
+    dtype: str = "bfloat16"               # of the tensors that are not quantised
+    method: Method = DEFAULT_METHOD       # the direct cast's post-training method
 
 ALPHAS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6)   # clipping grid (least squares refines in between)
 KAPPAS = (6.0, 5.0, 4.0, 3.5, 3.0)   # clipping at kappa x the row's RMS (S3D8: see s3d8_search_scales)

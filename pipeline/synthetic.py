@@ -1,6 +1,6 @@
 """Synthetic Llama 3.2 1B- and 3B-class text decoders for end-to-end speed measurements.
 
-Seeded random weights drawn to look trained (issue 15): every 2-D weight is ``Student-t(df=5)`` noise
+Seeded random weights drawn to look trained: every 2-D weight is ``Student-t(df=5)`` noise
 (heavy tails, unit variance) times a per-row scale that varies log-normally (sigma 0.5) around the
 usual ``0.02`` init, times a milder log-normal per-column factor (sigma 0.2: the few large input
 channels of trained models); norms are ``1 + N(0, 0.05)``. Nothing here was trained, so the models

@@ -25,7 +25,7 @@ from pipeline.formats.base import check_weight
 from pipeline.io import atomic_dir
 from pipeline.launch import run_stage
 from pipeline.models import load_config, meta_model, quantised_weight_names
-from pipeline.packed import PackParams
+from pipeline.ptq import PackParams
 from pipeline.shards import file_hash, fingerprint
 from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
 from pipeline.teacher import TeacherParams, local_dir

@@ -28,7 +28,7 @@ from pipeline.formats.base import check_weight
 from pipeline.hf import write_model_dir
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
-from pipeline.packed import PackParams
+from pipeline.ptq import PackParams
 from pipeline.qat.train import QAT_STATE
 from pipeline.stage import console, progress, stage_errors, versions
 from pipeline.teacher import TeacherParams, local_dir

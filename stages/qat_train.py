@@ -23,7 +23,7 @@ from pipeline.fit import check_states
 from pipeline.io import write_json
 from pipeline.launch import run_stage
 from pipeline.models import load_config, token_ids
-from pipeline.packed import PackParams
+from pipeline.ptq import PackParams
 from pipeline.qat.data import load_examples, split_heldout
 from pipeline.qat.train import QATParams, train
 from pipeline.shards import file_hash, fingerprint, shard_paths
