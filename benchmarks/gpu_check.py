@@ -151,8 +151,8 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: CudaPhases)
     engine = qt._FSDP2
     orig = {k: getattr(engine, k) for k in ("teacher", "student", "save_student")}
 
-    def teacher_hook(self, model):
-        r = orig["teacher"](self, model)
+    def teacher_hook(self, *args):
+        r = orig["teacher"](self, *args)
         phases.enter("qat_load_student")
         return r
 
