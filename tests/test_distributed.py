@@ -353,8 +353,9 @@ ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(eng
 engine.backward(model, model(input_ids=ids, labels=ids).loss, sync=False)
 between = held(model)
 engine.backward(model, model(input_ids=ids, labels=ids).loss, sync=True)
-print(json.dumps({"rank": engine.rank, "shard": shard, "between": between, "after": held(model),
-                  "whole": sum(p.numel() for p in model.parameters())}))
+open(f"grad-{engine.rank}.json", "w").write(json.dumps({"rank": engine.rank, "shard": shard, "between": between,
+                                                     "after": held(model),
+                                                     "whole": sum(p.numel() for p in model.parameters())}))
 torch.distributed.destroy_process_group()
 """
 
@@ -366,8 +367,8 @@ def test_accumulation_keeps_gradients_sharded(tmp_path):
     script.write_text(_GRAD_MEMORY)
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     _set(tmp_path, num_processes=2, strategy="fsdp2")
-    proc = _launch(tmp_path, str(script))
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    _launch(tmp_path, str(script))
+    rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("grad-*.json"))]     # a file per rank
     assert len(rows) == 2
     for r in rows:
         assert r["between"] <= r["shard"] and r["after"] <= r["shard"], r
@@ -403,7 +404,8 @@ ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     got = teacher(input_ids=ids).logits
     want = load(sys.argv[1], torch.bfloat16)(input_ids=ids).logits
-print(json.dumps({"rank": engine.rank, "reads": reads, "equal": bool(torch.equal(got, want))}))
+open(f"teacher-{engine.rank}.json", "w").write(json.dumps({"rank": engine.rank, "reads": reads,
+                                                        "equal": bool(torch.equal(got, want))}))
 torch.distributed.destroy_process_group()
 """
 
@@ -415,9 +417,8 @@ def test_sharded_teacher_is_read_by_rank_0_alone(inputs, tmp_path):
     shutil.copy(inputs / "params.yaml", tmp_path / "params.yaml")
     _set(tmp_path, num_processes=2, strategy="fsdp2", teacher="shard")
     teacher = yaml.safe_load((tmp_path / "params.yaml").read_text())["teacher"]["dir"]
-    proc = _launch(tmp_path, str(script), str(Path(inputs / teacher) if not Path(teacher).is_absolute() else teacher))
-    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    _launch(tmp_path, str(script), str(Path(inputs / teacher) if not Path(teacher).is_absolute() else teacher))
+    rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("teacher-*.json"))]      # a file per rank
     assert rows == [{"rank": 0, "reads": 1, "equal": True}, {"rank": 1, "reads": 0, "equal": True}]
 
 
