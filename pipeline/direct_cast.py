@@ -16,7 +16,6 @@ resumes from the files it finished.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from safetensors import safe_open
 from pipeline import ptq
 from pipeline.formats import FormatBase
 from pipeline.safetensors_io import write_tensors
+from pipeline.shards import file_sha256
 
 INDEX = "index.json"
 REST = "rest"
@@ -53,14 +53,6 @@ def gptq_cost(shape) -> float:
     """A matrix's share of the work: GPTQ's column sweep is ``d_out x d_in^2``."""
     d_out, d_in = shape
     return float(d_out) * d_in * d_in
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def cast_group(fmt: FormatBase, names: list[str], weight, fitted, hessian, method: str, path: Path,
@@ -91,7 +83,7 @@ def finished(path: Path, fingerprint: str) -> bool:
 def write_index(out: Path, fmt: FormatBase, method: str, groups: dict[str, list[str]], metadata: dict) -> None:
     files = {g: f"{g}.safetensors" for g in groups}
     doc = {"metadata": {"format": fmt.name, "method": method, **metadata,
-                        "sha256": {files[g]: sha256(out / files[g]) for g in sorted(groups)}},
+                        "sha256": {files[g]: file_sha256(out / files[g]) for g in sorted(groups)}},
            "weight_map": {n: files[g] for g in sorted(groups) for n in groups[g]}}
     (out / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 

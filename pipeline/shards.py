@@ -58,9 +58,15 @@ def fingerprint(*parts) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def file_hash(path: str | Path) -> str:
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes (hex), read a MiB at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()[:16]
+    return h.hexdigest()
+
+
+def file_hash(path: str | Path) -> str:
+    """A short stable hash of a file (its sha256's first 16 hex digits), for fingerprints."""
+    return file_sha256(path)[:16]
