@@ -170,6 +170,65 @@ int s3d8_encode_scaled(int v, int threads, size_t d_out, size_t d_in, const floa
 int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
 
+/* ---- Decode step (s3d8_decoder.c): one token through a Llama / Mllama text decoder ------------ */
+
+/* A weight of the decoder: S3D8 (packed [ceil(n/3), pad16(k)], table T[32][3], bf16 scales [n]),
+ * INT8 (int8 [n, k], bf16 scales [n]) or bf16 ([n, k]). */
+enum { S3D8_W_S3D8 = 0, S3D8_W_QSI8 = 1, S3D8_W_BF16 = 2 };
+typedef struct s3d8_weight {
+    int kind;
+    size_t n, k;
+    const void *data;
+    const int8_t *table;
+    const uint16_t *scale;
+} s3d8_weight;
+
+/* One decoder layer. Self-attention: K/V caches [n_kv_heads, cache_len, head_dim] float32, written
+ * at the token's position. Mllama cross-attention (cross = 1): the caches hold the image's keys
+ * (after k_norm) and values, cache_len of them; the query is RMS-normalised per head by q_norm,
+ * bias [cache_len] is added to the scores (NULL: none), the attention output is scaled by
+ * attn_gate and the MLP output by mlp_row_mask * mlp_gate (the gates already through tanh).
+ * skip = 1 leaves the layer out (a cross-attention layer when there is no image). */
+typedef struct s3d8_layer {
+    const float *ln1, *ln2;
+    s3d8_weight q, k, v, o, gate, up, down;
+    float *k_cache, *v_cache;
+    size_t cache_len;
+    int cross, skip;
+    const float *q_norm, *bias;
+    float attn_gate, mlp_gate, mlp_row_mask;
+} s3d8_layer;
+
+/* The decoder: RMSNorm eps, RoPE tables cos and sin_rolled [rope_len, head_dim] (sin with its
+ * first half negated: x * cos + roll(x, head_dim / 2) * sin_rolled), the embedding rows (S3D8 rows
+ * decoded from their group of 3 and scaled, INT8 rows scaled, bf16 rows widened: float32 products
+ * of the int8 value and the bf16 scale, as the Python row embeddings) and the work area.
+ * stub_products = 1 skips every weight product (their outputs keep what the work area held): the
+ * benchmark's measure of the time outside the products. */
+typedef struct s3d8_decoder {
+    size_t n_layers, hidden, n_heads, n_kv_heads, head_dim;
+    float eps;
+    s3d8_layer *layers;
+    s3d8_weight embed, lm_head;
+    const float *norm;
+    const float *cos, *sin_rolled;
+    size_t rope_len;
+    void *work;
+    int stub_products;
+} s3d8_decoder;
+
+/* Bytes of the work area for d (64-byte aligned by the caller). */
+size_t s3d8_decoder_work_bytes(const s3d8_decoder *d);
+/* 0 if every weight and size of d is usable, else a negative code as the drivers (-2: a k above
+ * S3D8_K_MAX, -3: a negative table value) or -4 for inconsistent sizes; *where names the layer
+ * (n_layers for the embedding and lm_head). */
+int s3d8_decoder_check(const s3d8_decoder *d, size_t *where);
+/* The logits [lm_head.n] of `token` at position `pos`: embedding, every layer (self-attention
+ * layers write K/V at pos and attend to positions 0..pos), final norm, lm_head. Returns 0, -1 for
+ * an invalid variant, -4 for pos beyond a cache or the RoPE tables, -5 for a token out of range. */
+int s3d8_decoder_step(int v, int threads, const s3d8_decoder *d, int64_t token, size_t pos,
+                      float *logits);
+
 /* Benchmark helper: reads n bytes in 64-byte chunks (with the kernels' software prefetch) and
  * returns a checksum, at the speed of the memory system; the bandwidth yardstick for the INT8 GEMV. */
 uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n);

@@ -334,6 +334,93 @@ static void test_bad_table(int v) {
     check(ok, s3d8_variant_get(v)->name, "negative centroid refused", m, n, k, 1);
 }
 
+/* ---- the decode step: every variant and thread count gives the reference's logits ------------- */
+
+enum { D_HID = 40, D_NH = 4, D_NKV = 2, D_HD = 10, D_INTER = 70, D_VOCAB = 31, D_POS = 6, D_CROSS = 5 };
+
+static uint16_t small_scale(void) { return s3d8_bf16_from_f32(0.002f + 0.01f * (float)(next_u32() % 100) / 100.0f); }
+
+static s3d8_weight random_weight(int kind, size_t n, size_t k, const int8_t *table) {
+    size_t bytes = kind == S3D8_W_S3D8 ? S3D8_GROUPS(n) * S3D8_PAD16(k) : n * k * (kind == S3D8_W_BF16 ? 2 : 1);
+    uint8_t *data = xmalloc(bytes);
+    uint16_t *scale = xmalloc(n * sizeof *scale);
+    for (size_t i = 0; i < bytes; i++) data[i] = (uint8_t)next_u32();
+    if (kind == S3D8_W_BF16)
+        for (size_t i = 0; i < n * k; i++) ((uint16_t *)data)[i] = s3d8_bf16_from_f32(0.05f * next_normal());
+    for (size_t i = 0; i < n; i++) scale[i] = small_scale();
+    return (s3d8_weight){kind, n, k, data, table, scale};
+}
+
+static float *random_floats(size_t n, float centre, float spread) {
+    float *f = xmalloc(n * sizeof *f);
+    for (size_t i = 0; i < n; i++) f[i] = centre + spread * next_normal();
+    return f;
+}
+
+static void free_weight(s3d8_weight *w) { free((void *)w->data); free((void *)w->scale); }
+
+/* Two layers (self-attention, then a live cross-attention layer) of `kind` weights, D_POS tokens. */
+static void test_decoder(int v, int kind) {
+    int8_t table[96];
+    for (int i = 0; i < 96; i++) table[i] = (int8_t)(next_u32() % 128);
+    s3d8_layer layers[2];
+    memset(layers, 0, sizeof layers);
+    float *caches[2][2];
+    for (int l = 0; l < 2; l++) {
+        s3d8_layer *L = &layers[l];
+        L->ln1 = random_floats(D_HID, 1.0f, 0.1f), L->ln2 = random_floats(D_HID, 1.0f, 0.1f);
+        L->q = random_weight(kind, D_NH * D_HD, D_HID, table);
+        L->k = random_weight(kind, D_NKV * D_HD, D_HID, table);
+        L->v = random_weight(kind, D_NKV * D_HD, D_HID, table);
+        L->o = random_weight(kind, D_HID, D_NH * D_HD, table);
+        L->gate = random_weight(kind, D_INTER, D_HID, table);
+        L->up = random_weight(kind, D_INTER, D_HID, table);
+        L->down = random_weight(kind, D_HID, D_INTER, table);
+        L->cache_len = l ? D_CROSS : D_POS;
+        for (int c = 0; c < 2; c++) caches[l][c] = random_floats(D_NKV * L->cache_len * D_HD, 0.0f, 0.5f);
+        L->k_cache = caches[l][0], L->v_cache = caches[l][1];
+    }
+    float bias[D_CROSS] = {0.0f, -3.0f, 0.0f, -3.4e38f, 0.5f};
+    layers[1].cross = 1, layers[1].q_norm = random_floats(D_HD, 1.0f, 0.1f), layers[1].bias = bias;
+    layers[1].attn_gate = 0.7f, layers[1].mlp_gate = -0.4f, layers[1].mlp_row_mask = 1.0f;
+    s3d8_decoder d = {.n_layers = 2, .hidden = D_HID, .n_heads = D_NH, .n_kv_heads = D_NKV, .head_dim = D_HD,
+                      .eps = 1e-5f, .layers = layers, .norm = random_floats(D_HID, 1.0f, 0.1f),
+                      .cos = random_floats(D_POS * D_HD, 0.5f, 0.3f), .sin_rolled = random_floats(D_POS * D_HD, 0.0f, 0.5f),
+                      .rope_len = D_POS};
+    d.embed = random_weight(kind, D_VOCAB, D_HID, table), d.lm_head = random_weight(kind, D_VOCAB, D_HID, table);
+    void *work = xmalloc(s3d8_decoder_work_bytes(&d) + 64);
+    d.work = (void *)(((uintptr_t)work + 63) / 64 * 64);
+    size_t where;
+    const char *name = s3d8_variant_get(v)->name;
+    check(s3d8_decoder_check(&d, &where) == 0, name, "decoder check", 1, D_VOCAB, D_HID, 1);
+    float *self_k = xmalloc(sizeof(float) * D_NKV * D_POS * D_HD), *want = xmalloc(sizeof(float) * D_POS * D_VOCAB);
+    memcpy(self_k, caches[0][0], sizeof(float) * D_NKV * D_POS * D_HD);
+    for (int run = 0; run < 3; run++) {       /* the reference on 1 thread, the variant on 1 and on 2 */
+        int var = run ? v : 0, threads = run == 2 ? 2 : 1, ok = 1;
+        memcpy(caches[0][0], self_k, sizeof(float) * D_NKV * D_POS * D_HD);
+        for (size_t pos = 0; pos < D_POS; pos++) {
+            float logits[D_VOCAB];
+            ok &= s3d8_decoder_step(var, threads, &d, (int64_t)(pos * 7 % D_VOCAB), pos, logits) == 0;
+            for (int i = 0; i < D_VOCAB; i++) {
+                if (!run) want[pos * D_VOCAB + i] = logits[i];
+                ok &= isfinite(logits[i]) && (kind == S3D8_W_BF16 || bits_of(logits[i]) == bits_of(want[pos * D_VOCAB + i]));
+            }
+        }
+        check(ok, name, kind == S3D8_W_S3D8 ? "decoder step s3d8 = reference" : "decoder step qsi8/bf16 = reference",
+              1, D_VOCAB, D_HID, threads);
+    }
+    check(s3d8_decoder_step(v, 1, &d, D_VOCAB, 0, want) == -5 && s3d8_decoder_step(v, 1, &d, 0, D_POS, want) == -4,
+          name, "decoder step refuses a bad token or position", 1, D_VOCAB, D_HID, 1);
+    for (int l = 0; l < 2; l++) {
+        s3d8_layer *L = &layers[l];
+        s3d8_weight *ws[] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
+        for (int i = 0; i < 7; i++) free_weight(ws[i]);
+        free((void *)L->ln1); free((void *)L->ln2); free(caches[l][0]); free(caches[l][1]);
+    }
+    free((void *)layers[1].q_norm); free((void *)d.norm); free((void *)d.cos); free((void *)d.sin_rolled);
+    free_weight(&d.embed); free_weight(&d.lm_head); free(self_k); free(want); free(work);
+}
+
 int main(int argc, char **argv) {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     size_t ns[] = {1, 2, 3, 4, 7, 13, 48, 100};
@@ -347,6 +434,9 @@ int main(int argc, char **argv) {
         test_encode(v);
         test_bad_table(v);
         test_k_bound(v);
+        test_decoder(v, S3D8_W_S3D8);
+        test_decoder(v, S3D8_W_QSI8);
+        test_decoder(v, S3D8_W_BF16);
         {
             size_t nf_m[] = {1, 2, 5, 6, 7, 17}, nf_n[] = {1, 4, 7, 13}, nf_k[] = {1, 7, 16, 17, 65, 130};
             for (size_t a = 0; a < 6; a++)

@@ -13,10 +13,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NATIVE_SOURCES = ("native/build.py", "native/s3d8.h", "native/s3d8_internal.h", "native/s3d8_encode_impl.h",
-                  "native/s3d8_ref.c", "native/s3d8_dispatch.c", "native/s3d8_avx2.c", "native/s3d8_avx512.c",
-                  "native/s3d8_neon.c")
-"""What the compiled library behind ``pipeline/native.py`` is built from."""
+
+
+def _native_sources() -> tuple[str, ...]:
+    """What the compiled library behind ``pipeline/native.py`` is built from: ``native/build.py``, the headers and
+    every source its ``LIBRARY`` compiles (for any architecture), read from build.py's syntax tree."""
+    tree = ast.parse((ROOT / "native" / "build.py").read_text())
+    library = next(ast.literal_eval(node.value) for node in tree.body
+                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "LIBRARY")
+    sources = sorted({source for files in library.values() for source in files})
+    headers = sorted(p.name for p in (ROOT / "native").glob("*.h"))
+    return ("native/build.py", *(f"native/{name}" for name in headers + sources))
+
+
+NATIVE_SOURCES = _native_sources()
 
 
 def _module_file(name: str) -> Path | None:

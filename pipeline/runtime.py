@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline import safetensors_io
+from pipeline import decode_step, safetensors_io
 from pipeline.layout import GROUP
 from pipeline.safetensors_io import TORCH_DTYPES
 
@@ -248,16 +248,21 @@ class LeanLlama:
         self.allocate(max_len or 256)
 
     def allocate(self, max_len: int) -> None:
-        """(Re)allocate the KV cache and RoPE tables for ``max_len`` positions."""
+        """(Re)allocate the KV cache, the RoPE tables and the C decoder for ``max_len`` positions."""
         self.max_len = max_len
         self.k_cache = torch.zeros(self.n_layers, 1, self.nkv, max_len, self.hd)
         self.v_cache = torch.zeros_like(self.k_cache)
-        pos = torch.arange(max_len, dtype=torch.float32)
-        emb = torch.cat([pos[:, None] * self.inv_freq[None]] * 2, dim=-1)
-        half = self.hd // 2
-        sin = emb.sin() * self.rope_scaling
-        self.cos = emb.cos() * self.rope_scaling
-        self.sin_rolled = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)   # see _rope
+        self.cos, self.sin_rolled = decode_step.rope_tables(self.inv_freq, self.rope_scaling, max_len)
+        self.native = self.native_step()
+
+    def native_step(self, stub_products: bool = False) -> decode_step.DecodeStep:
+        """The C decoder over this model's weights and caches (``stub_products``: see :mod:`pipeline.decode_step`)."""
+        layers = [{**{k: L[k] for k in ("ln1", "ln2", "q", "k", "v", "o", "gate", "up", "down")},
+                   "k_cache": self.k_cache[i, 0], "v_cache": self.v_cache[i, 0]} for i, L in enumerate(self.layers)]
+        return decode_step.DecodeStep(hidden=self.config["hidden_size"], n_heads=self.nh, n_kv_heads=self.nkv,
+                                      head_dim=self.hd, eps=self.eps, layers=layers, embed=self.embed,
+                                      lm_head=self.lm_head, norm=self.norm, cos=self.cos, sin_rolled=self.sin_rolled,
+                                      stub_products=stub_products)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -315,24 +320,8 @@ class LeanLlama:
         return self.lm_head(self._rms(x[-1:], self.norm))[0]
 
     def _step(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        """One decode token: the general path's arithmetic in fewer torch calls (each costs some 3-10 us here,
-        ~40 per layer): q and k rotated together, the cache written by one copy per tensor, SiLU and the gate
-        product in place, the products' ``forward`` called without nn.Module's ``__call__``."""
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        x = self.embed(ids).float()                                     # [1, h]
-        cos, sin = self.cos[pos], self.sin_rolled[pos]
-        end = pos + 1
-        for i, L in enumerate(self.layers):
-            h = self._rms(x, L["ln1"])
-            qk = torch.cat((L["q"].forward(h), L["k"].forward(h)), dim=-1).view(nh + nkv, hd)
-            qk = self._rope(qk, cos, sin)
-            self.k_cache[i, 0].select(1, pos).copy_(qk[nh:])
-            self.v_cache[i, 0].select(1, pos).copy_(L["v"].forward(h).view(nkv, hd))
-            x = x + L["o"].forward(self._attend_one(qk[:nh].view(nkv, nh // nkv, hd), i, end))
-            h = self._rms(x, L["ln2"])
-            x = x + L["down"].forward(F.silu(L["gate"].forward(h), inplace=True).mul_(L["up"].forward(h)))
-        return self.lm_head.forward(self._rms(x, self.norm))[0]
-
+        """One decode token in one C call (:mod:`pipeline.decode_step`) over the same weights and caches."""
+        return self.native.step(int(ids), pos)
 
 def hf_llama(path: str | Path):
     """Hugging Face ``LlamaForCausalLM`` over a synthetic packed file, the same native modules swapped in."""
@@ -378,6 +367,15 @@ def hf_mllama(path: str | Path):
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
     model.weight_bytes = Path(path).stat().st_size
     return model
+
+
+def mllama_step(model, cache, positions: int, cross_attention_mask=None,
+                stub_products: bool = False) -> decode_step.DecodeStep:
+    """The C decoder of a packed Mllama (:func:`hf_mllama`) after its prompt filled ``cache``."""
+    cfg = model.model.language_model.config
+    inv_freq, scaling = _rotary(cfg.to_dict())
+    cos, sin_rolled = decode_step.rope_tables(inv_freq, scaling, positions)
+    return decode_step.mllama(model, cache, positions, cos, sin_rolled, cross_attention_mask, stub_products)
 
 
 # --- generation --------------------------------------------------------------------------------------------------
@@ -453,13 +451,12 @@ def lean_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling =
         else:
             kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
             cam = kwargs.pop("cross_attention_mask", None)
-            out = [model(**kwargs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)]
-            logits = out[0].logits[0, -1]
+            out = model(**kwargs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1]
+            native = mllama_step(model, out.cache, n + max_new_tokens, cam)
 
             def advance(tok: int, step: int) -> torch.Tensor:
-                out[0] = model(input_ids=torch.tensor([[tok]]), cache=out[0].cache, use_cache=True, logits_to_keep=1,
-                               cross_attention_mask=None if cam is None else cam[:, -1:])
-                return out[0].logits[0, -1]
+                return native.step(tok, n + step)
         for step in range(max_new_tokens):
             tok = pick(logits, sampling, gen)
             tokens.append(tok)

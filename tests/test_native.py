@@ -607,3 +607,17 @@ def test_cffi_declarations_are_the_headers():
     assert len(cdef) >= 15
     for name, proto in cdef.items():
         assert proto == header.get(name, own.get(name)), name
+    structs = {name: body for name, body in _structs(build.CDEF).items() if "..." not in body}
+    assert {"s3d8_weight", "s3d8_layer", "s3d8_decoder"} <= set(structs)
+    header_structs = _structs((root / "s3d8.h").read_text())
+    for name, body in structs.items():
+        assert body == header_structs.get(name), name
+
+
+def _structs(text: str) -> dict[str, str]:
+    """``{name: body with whitespace normalised}`` of the ``typedef struct name { ... } name;`` in ``text``."""
+    import re
+
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return {m.group(1): re.sub(r"\s+", " ", m.group(2)).strip()
+            for m in re.finditer(r"typedef struct (\w+) \{(.*?)\} \1;", text, flags=re.S)}

@@ -59,16 +59,27 @@ def test_lean_llama_equals_hf_llama_on_the_same_kernels(synth, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["s3d8", "int8", "bf16"])
-def test_lean_decode_step_is_the_general_path_bit_for_bit(synth, fmt):
-    """The single-token step (fewer torch calls) gives the general path's logits and KV cache exactly."""
-    ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))
-    a, b = runtime.LeanLlama(synth[fmt], 16), runtime.LeanLlama(synth[fmt], 16)
-    for m in (a, b):
-        m.forward(ids[:6], 0)
-    for pos in range(6, 9):
-        got, want = a.forward(ids[pos:pos + 1], pos), b.forward(ids[pos:pos + 1], pos, step=False)
-        assert torch.equal(got, want), (fmt, pos)
-    assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
+def test_c_decode_step_gives_the_torch_paths_tokens_and_cache(synth, fmt):
+    """A decode token in one C call (pipeline/decode_step.py) against the torch general path on the same weights:
+    the same greedy tokens, logits and K/V cache equal to float32 rounding (the RMSNorm mean, SiLU's exp and the
+    attention sums are summed in another order than torch's; the products, RoPE and residuals are the same
+    arithmetic)."""
+    ids = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(2))
+    a, b = runtime.LeanLlama(synth[fmt], 40), runtime.LeanLlama(synth[fmt], 40)
+    la, lb = a.forward(ids, 0), b.forward(ids, 0)
+    for pos in range(6, 40):
+        ta, tb = int(la.argmax()), int(lb.argmax())
+        assert ta == tb, (fmt, pos)
+        la, lb = a.forward(torch.tensor([ta]), pos), b.forward(torch.tensor([tb]), pos, step=False)
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.k_cache, b.k_cache, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.v_cache, b.v_cache, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="token out of range"):
+        a.native.step(300, 7)
+    with pytest.raises(ValueError, match="beyond|inconsistent|position"):
+        a.native.step(1, 40)
+    stub = a.native_step(stub_products=True)
+    assert torch.equal(stub.step(5, 7), torch.zeros(stub.vocab)), "no product ran: lm_head wrote nothing"
 
 
 def test_s3d8_lean_llama_equals_the_torch_fake_quant_reference(synth):
@@ -138,6 +149,36 @@ def test_packed_mllama_runs_native_and_gives_the_torch_paths_tokens(packed_toy):
         ref = torch_model.generate(**text_only, max_new_tokens=6, do_sample=False, eos_token_id=None,
                                    min_new_tokens=6, pad_token_id=0)[0, 5:].tolist()
     assert runtime.generate(model, text_only, 6).tokens == ref
+
+
+@pytest.mark.parametrize("image", [True, False])
+def test_c_decode_step_of_mllama_equals_hf_steps(packed_toy, image):
+    """Mllama's language model in the C decoder: logits of each decode token equal the HF model's own step on its
+    cache, with the cross-attention layers live (gates made non-zero, the image's K/V from the prompt) or skipped
+    (a text-only prompt, as HF skips them)."""
+    model = runtime.hf_mllama(packed_toy)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.language_model.layers):
+            if hasattr(layer, "cross_attn"):
+                layer.cross_attn_attn_gate.fill_(0.6 + 0.1 * i)
+                layer.cross_attn_mlp_gate.fill_(-0.8)
+    inputs = {k: v[:1] for k, v in tiny_inputs(batch=1, length=7).items() if k != "attention_mask"}
+    if not image:
+        inputs = {"input_ids": inputs["input_ids"][:, 2:]}
+    cam = inputs.pop("cross_attention_mask", None)
+    n = inputs["input_ids"].shape[1]
+    with torch.inference_mode():
+        out = model(**inputs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)
+        native = runtime.mllama_step(model, out.cache, n + 8, cam)
+        cross = sum(hasattr(layer, "cross_attn") for layer in model.model.language_model.layers)
+        assert cross and sum(L.skip for L in native._layers[0:native.d.n_layers]) == (0 if image else cross)
+        tok = int(out.logits[0, -1].argmax())
+        for step in range(8):
+            out = model(input_ids=torch.tensor([[tok]]), cache=out.cache, use_cache=True, logits_to_keep=1,
+                        cross_attention_mask=None if cam is None else cam[:, -1:])
+            want, got = out.logits[0, -1], native.step(tok, n + step)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            tok = int(want.argmax())
 
 
 def _cli(*args):

@@ -1,0 +1,345 @@
+/* One decode token through a Llama (or Mllama text) decoder, the whole layer loop in C.
+ *
+ * The weight products are the variants' kernels, called as the drivers call them (one activation
+ * quantisation per input vector, output channels in contiguous chunks, so the bits do not depend on
+ * the thread count); the products that share an input (q, k, v; gate, up) run in one parallel
+ * region. Everything else is plain float32 C in the order the Python runtime computes it: RoPE and
+ * the residual and gate arithmetic are bit-identical to it, while the RMSNorm mean, the SiLU's exp
+ * and the attention sums may differ from torch's in the last bit (their summation order and exp
+ * are torch's own).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "s3d8.h"
+#include "s3d8_internal.h"
+
+#define CHUNKS_PER_THREAD 8
+#define ALIGN(x) (((x) + 63) / 64 * 64)
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* ---- the work area ------------------------------------------------------------------------- */
+
+typedef struct {
+    float *x, *h, *q, *k, *v, *att, *y, *gate, *up, *scores;
+    int8_t *xq, *rows;
+    size_t bytes;
+} areas;
+
+static size_t max_k(const s3d8_decoder *d) {
+    size_t k = MAX(d->lm_head.k, d->hidden);
+    for (size_t i = 0; i < d->n_layers; i++) {
+        const s3d8_layer *L = &d->layers[i];
+        k = MAX(k, MAX(L->o.k, L->down.k));
+    }
+    return k;
+}
+
+static areas layout(const s3d8_decoder *d, char *base) {
+    size_t inter = 0, cache = 1, heads = d->n_heads * d->head_dim, kv = d->n_kv_heads * d->head_dim;
+    for (size_t i = 0; i < d->n_layers; i++) {
+        inter = MAX(inter, d->layers[i].gate.n);
+        cache = MAX(cache, d->layers[i].cache_len);
+    }
+    areas a;
+    size_t off = 0;
+#define TAKE(field, type, count) \
+    a.field = (type *)(void *)(base ? base + off : NULL); off += ALIGN((count) * sizeof(type));
+    TAKE(x, float, d->hidden)
+    TAKE(h, float, d->hidden)
+    TAKE(q, float, heads)
+    TAKE(k, float, kv)
+    TAKE(v, float, kv)
+    TAKE(att, float, heads)
+    TAKE(y, float, d->hidden)
+    TAKE(gate, float, inter)
+    TAKE(up, float, inter)
+    TAKE(scores, float, d->n_heads * cache)
+    TAKE(xq, int8_t, S3D8_LINEAR_WORK(1, max_k(d)))
+    TAKE(rows, int8_t, 3 * S3D8_LHS_STRIDE(d->hidden))
+#undef TAKE
+    a.bytes = off;
+    return a;
+}
+
+size_t s3d8_decoder_work_bytes(const s3d8_decoder *d) { return layout(d, NULL).bytes; }
+
+/* ---- checks ---------------------------------------------------------------------------------- */
+
+static int weight_ok(const s3d8_weight *w, size_t n, size_t k) {
+    if ((n && w->n != n) || (k && w->k != k) || !w->n || !w->k || !w->data) return -4;
+    if (w->kind == S3D8_W_S3D8) {
+        if (!w->table || !w->scale) return -4;
+        if (w->k > S3D8_K_MAX) return -2;
+        for (int i = 0; i < 96; i++)
+            if (w->table[i] < 0) return -3;
+        return 0;
+    }
+    if (w->kind == S3D8_W_QSI8) {
+        if (!w->scale) return -4;
+        return w->k > S3D8_K_MAX_INT8_FULL ? -2 : 0;
+    }
+    return w->kind == S3D8_W_BF16 ? 0 : -4;
+}
+
+int s3d8_decoder_check(const s3d8_decoder *d, size_t *where) {
+    size_t hd = d->head_dim, heads = d->n_heads * hd, kv = d->n_kv_heads * hd;
+    int rc = 0;
+    *where = d->n_layers;
+    if (!d->hidden || !hd || hd % 2 || !d->n_kv_heads || d->n_heads % d->n_kv_heads || !d->norm ||
+        !d->cos || !d->sin_rolled || !d->work)
+        return -4;
+    if ((rc = weight_ok(&d->embed, 0, d->hidden)) || (rc = weight_ok(&d->lm_head, 0, d->hidden)))
+        return rc;
+    for (size_t i = 0; i < d->n_layers; i++) {
+        const s3d8_layer *L = &d->layers[i];
+        *where = i;
+        if (L->skip) continue;
+        if (!L->ln1 || !L->ln2 || !L->k_cache || !L->v_cache || !L->cache_len) return -4;
+        if ((rc = weight_ok(&L->q, heads, d->hidden)) || (rc = weight_ok(&L->o, d->hidden, heads)) ||
+            (rc = weight_ok(&L->gate, 0, d->hidden)) || (rc = weight_ok(&L->up, L->gate.n, d->hidden)) ||
+            (rc = weight_ok(&L->down, d->hidden, L->gate.n)))
+            return rc;
+        if (L->cross ? !L->q_norm
+                     : ((rc = weight_ok(&L->k, kv, d->hidden)) || (rc = weight_ok(&L->v, kv, d->hidden))))
+            return rc ? rc : -4;
+    }
+    *where = 0;
+    return 0;
+}
+
+/* ---- products -------------------------------------------------------------------------------- */
+
+typedef struct {
+    const s3d8_variant *var;
+    const s3d8_weight *w;
+    const float *x;          /* bf16 weights: the float input */
+    const int8_t *xq;        /* the others: the quantised input */
+    const float *xs;
+    const int32_t *xsum;
+    float *y;
+    size_t units;            /* groups of 3 (S3D8) or channels */
+    int8_t luts[192];
+} product;
+
+static void product_init(product *p, const s3d8_variant *var, const s3d8_weight *w, const float *x,
+                         const int8_t *xq, float *y) {
+    p->var = var, p->w = w, p->x = x, p->xq = xq, p->y = y;
+    p->xs = (const float *)(const void *)(xq + S3D8_LHS_STRIDE(w->k));
+    p->xsum = (const int32_t *)(const void *)(p->xs + 1);
+    p->units = w->kind == S3D8_W_S3D8 ? S3D8_GROUPS(w->n) : w->n;
+    if (w->kind == S3D8_W_S3D8) s3d8_luts_from_table(w->table, p->luts);
+}
+
+static void product_range(const product *p, size_t b, size_t e) {
+    const s3d8_weight *w = p->w;
+    size_t k = w->k;
+    if (w->kind == S3D8_W_S3D8) {
+        size_t n = MIN(3 * e, w->n) - 3 * b;
+        p->var->matmul_s3d8(1, n, k, p->xq, S3D8_LHS_STRIDE(k), p->xs, p->xsum,
+                            (const uint8_t *)w->data + b * S3D8_PAD16(k), p->luts, w->scale + 3 * b,
+                            p->y + 3 * b, w->n);
+    } else if (w->kind == S3D8_W_QSI8) {
+        p->var->matmul_qsi8(1, e - b, k, p->xq, S3D8_LHS_STRIDE(k), p->xs, p->xsum,
+                            (const int8_t *)w->data + b * k, k, w->scale + b, p->y + b, w->n);
+    } else {
+        p->var->matmul_bf16(1, e - b, k, p->x, k, (const uint16_t *)w->data + b * k, k, p->y + b, w->n);
+    }
+}
+
+/* The products of one input, their output channels cut into contiguous chunks over the threads. */
+static void run_products(int threads, const product *ps, int count) {
+    size_t total = 0;
+    for (int i = 0; i < count; i++) total += ps[i].units;
+#ifdef _OPENMP
+    if (threads > 1 && total > 1) {
+        size_t chunks = MIN((size_t)threads * CHUNKS_PER_THREAD, total);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (size_t c = 0; c < chunks; c++) {
+            size_t b = c * total / chunks, e = (c + 1) * total / chunks, base = 0;
+            for (int i = 0; i < count; i++) {
+                size_t lo = MAX(b, base), hi = MIN(e, base + ps[i].units);
+                if (lo < hi) product_range(&ps[i], lo - base, hi - base);
+                base += ps[i].units;
+            }
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < count; i++) product_range(&ps[i], 0, ps[i].units);
+}
+
+/* y_i = W_i x for the weights w[0..count): x quantised once (unless bf16). */
+static void products(const s3d8_decoder *d, const s3d8_variant *var, int threads, const areas *a,
+                     const float *x, const s3d8_weight *const *w, float *const *y, int count) {
+    product ps[3];
+    int quantised = 0;
+    if (d->stub_products) return;
+    for (int i = 0; i < count; i++) quantised |= w[i]->kind != S3D8_W_BF16;
+    if (quantised)
+        var->quant(1, w[0]->k, x, w[0]->k, a->xq, S3D8_LHS_STRIDE(w[0]->k),
+                   (float *)(void *)(a->xq + S3D8_LHS_STRIDE(w[0]->k)),
+                   (int32_t *)(void *)(a->xq + S3D8_LHS_STRIDE(w[0]->k) + sizeof(float)));
+    for (int i = 0; i < count; i++) product_init(&ps[i], var, w[i], x, a->xq, y[i]);
+    run_products(threads, ps, count);
+}
+
+/* ---- the float parts --------------------------------------------------------------------------- */
+
+/* out = w * (x * rsqrt(mean(x^2) + eps)) */
+static void rms_norm(size_t n, const float *x, const float *w, float eps, float *out) {
+    double sum = 0.0;
+    for (size_t i = 0; i < n; i++) sum += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(sum / (double)n) + eps);
+    for (size_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* x * cos + roll(x, hd / 2) * sin_rolled for each of `heads` heads, in place. */
+static void rope(float *x, size_t heads, size_t hd, const float *cos, const float *sin_rolled) {
+    float tmp[hd];
+    size_t half = hd / 2;
+    for (size_t h = 0; h < heads; h++, x += hd) {
+        for (size_t i = 0; i < hd; i++) tmp[i] = x[i] * cos[i] + x[(i + half) % hd] * sin_rolled[i];
+        memcpy(x, tmp, hd * sizeof(float));
+    }
+}
+
+/* sum_i a[i] * b[i] in 16 partial sums (vectorisable; a single running sum is one add per cycle). */
+static float dot(const float *a, const float *b, size_t n) {
+    float part[16] = {0};
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) part[i % 16] += a[i] * b[i];
+    for (int w = 8; w; w /= 2)
+        for (int j = 0; j < w; j++) part[j] += part[j + w];
+    return part[0];
+}
+
+/* Query head `h` over `len` cached keys/values of its kv head: softmax(q k^T * scale + bias) v. */
+static void attend_head(const s3d8_decoder *d, const s3d8_layer *L, const float *q, size_t h, size_t len,
+                        float *scores, float *out) {
+    size_t hd = d->head_dim, g = h / (d->n_heads / d->n_kv_heads);
+    const float *kc = L->k_cache + g * L->cache_len * hd, *vc = L->v_cache + g * L->cache_len * hd;
+    float scale = (float)(1.0 / sqrt((double)hd)), top = -INFINITY, sum = 0.0f;
+    for (size_t t = 0; t < len; t++) {
+        float s = dot(q, kc + t * hd, hd) * scale;
+        if (L->bias) s = s + L->bias[t];
+        scores[t] = s;
+        top = s > top ? s : top;
+    }
+    for (size_t t = 0; t < len; t++) sum += scores[t] = expf(scores[t] - top);
+    for (size_t i = 0; i < hd; i++) out[i] = 0.0f;
+    for (size_t t = 0; t < len; t++) {
+        float p = scores[t] / sum;
+        for (size_t i = 0; i < hd; i++) out[i] += p * vc[t * hd + i];
+    }
+}
+
+static void attention(const s3d8_decoder *d, const s3d8_layer *L, int threads, const areas *a, size_t len) {
+    size_t hd = d->head_dim, nh = d->n_heads;
+#ifdef _OPENMP
+    if (threads > 1 && nh > 1 && nh * len * hd >= 65536) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (size_t h = 0; h < nh; h++) attend_head(d, L, a->q + h * hd, h, len, a->scores + h * len, a->att + h * hd);
+        return;
+    }
+#endif
+    for (size_t h = 0; h < nh; h++) attend_head(d, L, a->q + h * hd, h, len, a->scores + h * len, a->att + h * hd);
+}
+
+static void embed(const s3d8_decoder *d, const s3d8_variant *var, const areas *a, size_t token) {
+    const s3d8_weight *w = &d->embed;
+    size_t k = w->k;
+    if (w->kind == S3D8_W_S3D8) {
+        int8_t luts[192];
+        size_t g = token / 3, rows = MIN(3, w->n - 3 * g);
+        s3d8_luts_from_table(w->table, luts);
+        var->decode(rows, k, (const uint8_t *)w->data + g * S3D8_PAD16(k), luts, a->rows, S3D8_LHS_STRIDE(k));
+        const int8_t *row = a->rows + (token % 3) * S3D8_LHS_STRIDE(k);
+        float s = s3d8_f32_from_bf16(w->scale[token]);
+        for (size_t i = 0; i < k; i++) a->x[i] = (float)row[i] * s;
+    } else if (w->kind == S3D8_W_QSI8) {
+        const int8_t *row = (const int8_t *)w->data + token * k;
+        float s = s3d8_f32_from_bf16(w->scale[token]);
+        for (size_t i = 0; i < k; i++) a->x[i] = (float)row[i] * s;
+    } else {
+        const uint16_t *row = (const uint16_t *)w->data + token * k;
+        for (size_t i = 0; i < k; i++) a->x[i] = s3d8_f32_from_bf16(row[i]);
+    }
+}
+
+/* ---- the step ---------------------------------------------------------------------------------- */
+
+static void mlp(const s3d8_decoder *d, const s3d8_layer *L, const s3d8_variant *var, int threads,
+                const areas *a) {
+    const s3d8_weight *gu[2] = {&L->gate, &L->up}, *down[1] = {&L->down};
+    float *gu_out[2] = {a->gate, a->up}, *down_out[1] = {a->y};
+    rms_norm(d->hidden, a->x, L->ln2, d->eps, a->h);
+    products(d, var, threads, a, a->h, gu, gu_out, 2);
+    for (size_t i = 0; i < L->gate.n; i++) a->gate[i] = a->gate[i] / (1.0f + expf(-a->gate[i])) * a->up[i];
+    products(d, var, threads, a, a->gate, down, down_out, 1);
+}
+
+static void self_layer(const s3d8_decoder *d, const s3d8_layer *L, const s3d8_variant *var, int threads,
+                       const areas *a, size_t pos) {
+    size_t hd = d->head_dim, nkv = d->n_kv_heads;
+    const s3d8_weight *qkv[3] = {&L->q, &L->k, &L->v}, *o[1] = {&L->o};
+    float *qkv_out[3] = {a->q, a->k, a->v}, *o_out[1] = {a->y};
+    rms_norm(d->hidden, a->x, L->ln1, d->eps, a->h);
+    products(d, var, threads, a, a->h, qkv, qkv_out, 3);
+    rope(a->q, d->n_heads, hd, d->cos + pos * hd, d->sin_rolled + pos * hd);
+    rope(a->k, nkv, hd, d->cos + pos * hd, d->sin_rolled + pos * hd);
+    for (size_t g = 0; g < nkv; g++) {
+        memcpy(L->k_cache + (g * L->cache_len + pos) * hd, a->k + g * hd, hd * sizeof(float));
+        memcpy(L->v_cache + (g * L->cache_len + pos) * hd, a->v + g * hd, hd * sizeof(float));
+    }
+    attention(d, L, threads, a, pos + 1);
+    products(d, var, threads, a, a->att, o, o_out, 1);
+    for (size_t i = 0; i < d->hidden; i++) a->x[i] = a->x[i] + a->y[i];
+    mlp(d, L, var, threads, a);
+    for (size_t i = 0; i < d->hidden; i++) a->x[i] = a->x[i] + a->y[i];
+}
+
+static void cross_layer(const s3d8_decoder *d, const s3d8_layer *L, const s3d8_variant *var, int threads,
+                        const areas *a) {
+    size_t hd = d->head_dim;
+    const s3d8_weight *qw[1] = {&L->q}, *o[1] = {&L->o};
+    float *q_out[1] = {a->q}, *o_out[1] = {a->y};
+    rms_norm(d->hidden, a->x, L->ln1, d->eps, a->h);
+    products(d, var, threads, a, a->h, qw, q_out, 1);
+    for (size_t h = 0; h < d->n_heads; h++) rms_norm(hd, a->q + h * hd, L->q_norm, d->eps, a->q + h * hd);
+    attention(d, L, threads, a, L->cache_len);
+    products(d, var, threads, a, a->att, o, o_out, 1);
+    for (size_t i = 0; i < d->hidden; i++) a->x[i] = a->x[i] + L->attn_gate * a->y[i];
+    mlp(d, L, var, threads, a);
+    for (size_t i = 0; i < d->hidden; i++) a->x[i] = a->x[i] + L->mlp_gate * (L->mlp_row_mask * a->y[i]);
+}
+
+int s3d8_decoder_step(int v, int threads, const s3d8_decoder *d, int64_t token, size_t pos, float *logits) {
+    const s3d8_variant *var = s3d8_variant_supported(v) ? s3d8_variant_get(v) : NULL;
+    if (!var) return -1;
+    if (token < 0 || (size_t)token >= d->embed.n) return -5;
+    if (pos >= d->rope_len) return -4;
+    for (size_t i = 0; i < d->n_layers; i++)
+        if (!d->layers[i].skip && !d->layers[i].cross && pos >= d->layers[i].cache_len) return -4;
+    areas a = layout(d, d->work);
+    const s3d8_weight *head[1] = {&d->lm_head};
+    float *head_out[1] = {logits};
+    embed(d, var, &a, (size_t)token);
+    for (size_t i = 0; i < d->n_layers; i++) {
+        const s3d8_layer *L = &d->layers[i];
+        if (L->skip) continue;
+        if (L->cross) cross_layer(d, L, var, threads, &a);
+        else self_layer(d, L, var, threads, &a, pos);
+    }
+    rms_norm(d->hidden, a.x, d->norm, d->eps, a.h);
+    products(d, var, threads, &a, a.h, head, head_out, 1);
+    return 0;
+}
