@@ -104,15 +104,20 @@ def test_generate_benchmark_writes_its_report_atomically(tmp_path, monkeypatch):
     from pipeline.bench import generate
 
     real = generate.read_bandwidth
-    monkeypatch.setattr(generate, "read_bandwidth", lambda: real(nbytes=1 << 26, repeats=2))
+    monkeypatch.setattr(generate, "read_bandwidth", lambda t: real(t, nbytes=1 << 26, repeats=2))
     out = tmp_path / "reports"
-    assert generate.main(["--models", "toy", "--impls", "lean", "--threads", "1", "--prompt-tokens", "8",
+    assert generate.main(["--models", "toy", "--impls", "lean", "--threads", "1,2", "--prompt-tokens", "8",
                           "--new-tokens", "4", "--out", str(out)]) == 0
     data = json.loads((out / "bench_generate.json").read_text())
-    assert [(r["model"], r["format"], r["impl"], r["threads"]) for r in data["records"]] == [("toy", "s3d8", "lean", 1)]
-    assert data["records"][0]["new_tokens"] == 4 and data["read_bandwidth_gb_s"] > 0
+    assert [(r["model"], r["format"], r["impl"], r["threads"]) for r in data["records"]] == [
+        ("toy", "s3d8", "lean", 1), ("toy", "s3d8", "lean", 2)]
+    rec = data["records"][0]
+    assert rec["new_tokens"] == 4 and 0 < rec["overhead_ms_per_token"] < 1e3 / rec["decode_tokens_per_s"]
+    assert set(data["read_bandwidth_gb_s_by_threads"]) == {"1", "2"} and data["read_bandwidth_gb_s"] > 0
+    assert data["machine"]["cpu"] and isinstance(data["machine"]["flags"], list)
     md = (out / "bench_generate.md").read_text()
-    assert "| toy | s3d8 | lean | 1 |" in md and "overhead-bound" in md
+    assert "| toy | s3d8 | lean | 1 |" in md and "overhead-bound" in md and "**toy, 1 thread**" in md
+    assert data["machine"]["cpu"] in md
     assert sorted(p.name for p in out.iterdir()) == ["bench_generate.json", "bench_generate.md", "bench_generate.png"]
 
 

@@ -1,9 +1,10 @@
-"""End-to-end generation benchmark (issue 15): tokens/s of packed models on the native kernels.
+"""End-to-end generation benchmark: tokens/s of packed models on the native kernels.
 
 ``python -m pipeline.bench.generate [--models toy,synthetic-1b] [--threads 1,2] [--prompt-tokens 128]
 [--new-tokens 64] [--impls lean,hf] [--llama-cpp]`` writes ``reports/bench_generate.json``
 (``{"records": [{model, format, impl, threads, prompt_tokens, new_tokens, prefill_tokens_per_s,
-decode_tokens_per_s, weight_bytes, peak_rss_mb, ...}], ...}``), ``reports/bench_generate.md`` (with the
+decode_tokens_per_s, overhead_ms_per_token, weight_bytes, peak_rss_mb, ...}], "machine": {cpu, flags, ...},
+"read_bandwidth_gb_s_by_threads": {...}, ...}``), ``reports/bench_generate.md`` (with the
 goals) and ``reports/bench_generate.png``.
 
 Every row runs in a fresh subprocess (``--child``), so its peak RSS (``ru_maxrss``) is that model's
@@ -14,8 +15,9 @@ times torch's INT8 GEMM too: ~1 GMAC/s on an AVX2-only CPU), a one-off cost a ti
 under ``models/synthetic/``; the toy is the committed toy teacher packed to S3D8 (its own fitted tables).
 llama.cpp rows (``--llama-cpp``) need the optional extra (``pip install -r requirements-bench.txt``):
 the bf16 synthetic weights as GGUF, quantised by llama.cpp's own ``llama_model_quantize``; without
-the packages those rows are skipped with a message. Read bandwidth is measured with
-``native.read_bandwidth_probe`` over a 1 GiB buffer (best of 5).
+the packages those rows are skipped with a message. Read bandwidth is measured for each thread count with
+``native.read_bandwidth_probe`` (1 GiB split over the threads, best of 5); a row's bandwidth bound is its thread
+count's. ``overhead_ms_per_token`` (lean rows): a decode token of the C step with its weight products stubbed out.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.bench import machine
 from pipeline.io import atomic_path, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +46,7 @@ TOY_PACKED = SYNTH_DIR / "toy" / "s3d8.safetensors"
 # llama-cpp-python cannot make (llama.cpp's imatrix tool is not in it), so IQ3_S is the lowest one here.
 LLAMA_CPP_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q3_K_S", "Q2_K", "Q2_K+embd:Q2_K", "IQ3_S+embd:IQ3_S")
 GOALS = {"s3d8_vs_int8": 2.0, "s3d8_vs_bf16": 4.0, "s3d8_vs_llama_cpp_le_3_5_bits": 1.3,
-         "bandwidth_fraction": 0.8, "rss_factor": 1.2, "rss_slack_mb": 300}
+         "bandwidth_fraction": 0.8, "rss_factor": 1.2, "rss_slack_mb": 300, "toy_tokens_per_s_1_thread": 1000}
 
 
 # --- model files ------------------------------------------------------------------------------------------------
@@ -151,6 +153,8 @@ def _child_native(spec: dict) -> dict:
     run(model, {"input_ids": _prompt(spec["prompt_tokens"], vocab, 1)}, 2)
     warmup_s = time.perf_counter() - t0
     res = run(model, {"input_ids": _prompt(spec["prompt_tokens"], vocab)}, spec["new_tokens"])
+    overhead = (overhead_ms_per_token(model, _prompt(spec["prompt_tokens"], vocab), spec["new_tokens"])
+                if spec["impl"] == "lean" else None)
     cfg = model.config if isinstance(model, runtime.LeanLlama) else None
     kv = 0
     if cfg is not None:
@@ -161,7 +165,25 @@ def _child_native(spec: dict) -> dict:
         kv = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4 * (spec["prompt_tokens"] + spec["new_tokens"])
     return {"prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens_per_s": res.decode_tokens_per_s,
             "new_tokens": res.new_tokens, "load_s": load_s, "warmup_s": warmup_s, "kv_cache_bytes": kv,
-            "weight_bytes": int(getattr(model, "weight_bytes", path.stat().st_size))}
+            "weight_bytes": int(getattr(model, "weight_bytes", path.stat().st_size)), "overhead_ms_per_token": overhead}
+
+
+def overhead_ms_per_token(model, prompt: torch.Tensor, new_tokens: int) -> float:
+    """Mean milliseconds of a decode token of the lean runtime's C step with every weight product stubbed out
+    (``stub_products``): what a token costs beyond its products, at the positions the timed run decoded."""
+    from pipeline import runtime
+
+    n = prompt.shape[-1]
+    if isinstance(model, runtime.LeanLlama):
+        step = model.native_step(stub_products=True)
+    else:
+        with torch.inference_mode():
+            out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        step = runtime.mllama_step(model, out.cache, n + new_tokens, stub_products=True)
+    t0 = time.perf_counter()
+    for i in range(new_tokens):
+        step.step(3 + i, n + i)
+    return (time.perf_counter() - t0) / new_tokens * 1e3
 
 
 def _child_llama_cpp(spec: dict) -> dict:
@@ -233,17 +255,21 @@ def measure(spec: dict, timeout: int = 1800) -> dict:
     return json.loads(lines[-1])
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Single-thread read bandwidth in bytes/s (best of ``repeats`` passes over ``nbytes``)."""
+def read_bandwidth(threads: int = 1, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s of ``threads`` threads each reading its own ``nbytes / threads`` at once (best of
+    ``repeats`` passes; the probe releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from pipeline import native
 
-    buf = torch.ones(nbytes, dtype=torch.uint8)
+    bufs = [torch.ones(nbytes // threads, dtype=torch.uint8) for _ in range(threads)]
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        native.read_bandwidth_probe(buf)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(native.read_bandwidth_probe, bufs))
+            best = min(best, time.perf_counter() - t0)
+    return sum(b.numel() for b in bufs) / best
 
 
 # --- report --------------------------------------------------------------------------------------------------------
@@ -254,7 +280,7 @@ def _bits(rec: dict, params: int | None) -> float | None:
 
 def analyse(data: dict) -> list[str]:
     """Goal lines for the markdown (per model and thread count)."""
-    recs, bw = data["records"], data["read_bandwidth_gb_s"] * 1e9
+    recs = data["records"]
     out = []
     keyed = {(r["model"], r["format"], r["impl"], r["threads"]): r for r in recs if "error" not in r}
     models = sorted({r["model"] for r in recs if r["model"] != "toy"})
@@ -285,39 +311,53 @@ def analyse(data: dict) -> list[str]:
                             f"(S3D8 {r:.2f}x of it; goal >= 1.3x: {'met' if r >= 1.3 else 'NOT met'})")
             else:
                 line.append("llama.cpp: not measured")
-            bound = bw / s["weight_bytes"]
+            bound = _bandwidth(data, t) / s["weight_bytes"]
             frac = s["decode_tokens_per_s"] / bound
-            line.append(f"{frac:.0%} of the bandwidth bound {bound:.1f} tokens/s (goal >= 80%: "
+            line.append(f"{frac:.0%} of the {t}-thread bandwidth bound {bound:.1f} tokens/s (goal >= 80%: "
                         f"{'met' if frac >= 0.8 else 'NOT met'})")
             limit = 1.2 * s["weight_bytes"] / 2**20 + s["kv_cache_bytes"] / 2**20 + 300
             line.append(f"peak RSS {s['peak_rss_mb']:.0f} MB vs limit {limit:.0f} MB "
                         f"({'met' if s['peak_rss_mb'] <= limit else 'NOT met'})")
             out.append("- " + "; ".join(line))
+    goal = GOALS["toy_tokens_per_s_1_thread"]
+    for r in recs:
+        if r["model"] == "toy" and r["impl"] == "lean" and r["threads"] == 1 and "error" not in r:
+            met = "met" if r["decode_tokens_per_s"] >= goal else "NOT met"
+            out.append(f"- **toy, 1 thread**: {r['decode_tokens_per_s']:.0f} tokens/s (goal >= {goal}: {met}); "
+                       f"{r['overhead_ms_per_token']:.3f} ms of a token outside the weight products")
     return out
+
+
+def _bandwidth(data: dict, threads: int) -> float:
+    """Read bandwidth in bytes/s of ``threads`` threads (the largest measured count at or below it)."""
+    by = {int(t): bw for t, bw in data.get("read_bandwidth_gb_s_by_threads", {}).items()}
+    fit = [t for t in by if t <= threads]
+    return (by[max(fit)] if fit else data["read_bandwidth_gb_s"]) * 1e9
 
 
 def write_report(data: dict, out_dir: Path) -> None:
     recs = data["records"]
-    md = ["# Generation benchmark (issue 15)", "",
-          f"Machine: {data['machine']}; load average {data['load_average_before']} before, "
-          f"{data['load_average_after']} after; single-thread read bandwidth {data['read_bandwidth_gb_s']:.1f} GB/s "
-          f"(`native.read_bandwidth_probe`, 1 GiB). Prompt {data['prompt_tokens']} tokens, {data['new_tokens']} new "
-          "tokens, greedy, EOS ignored; each row a fresh process. Timings on a shared machine: compare ratios "
-          "within this run.", "",
-          "| model | format | impl | threads | prefill tok/s | decode tok/s | weight MB | bits/weight | "
-          "bandwidth bound tok/s | fraction | peak RSS MB |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    bw = data["read_bandwidth_gb_s"] * 1e9
+    bws = ", ".join(f"{t} thread(s) {bw:.1f} GB/s" for t, bw in data["read_bandwidth_gb_s_by_threads"].items())
+    md = ["# Generation benchmark", "",
+          f"Machine: {machine.line(data['machine'])}; load average {data['load_average_before']} before, "
+          f"{data['load_average_after']} after; read bandwidth {bws} (`native.read_bandwidth_probe`, 1 GiB in all, "
+          f"best of 5). Prompt {data['prompt_tokens']} tokens, {data['new_tokens']} new tokens, greedy, EOS ignored; "
+          "each row a fresh process. Lean rows decode each token in one C call (`pipeline/decode_step.py`); "
+          "overhead ms/token is that call with the weight products stubbed out. Timings on a shared machine: "
+          "compare ratios within this run.", "",
+          "| model | format | impl | threads | prefill tok/s | decode tok/s | overhead ms/token | weight MB | "
+          "bits/weight | bandwidth bound tok/s | fraction | peak RSS MB |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in recs:
         if "error" in r:
             md.append(f"| {r['model']} | {r['format']} | {r['impl']} | {r['threads']} | error: {r['error']} |"
-                      " | | | | | |")
+                      " | | | | | | |")
             continue
-        bound = bw / r["weight_bytes"]
-        bpw = r.get("bits_per_weight")
+        bound = _bandwidth(data, r["threads"]) / r["weight_bytes"]
+        bpw, ovh = r.get("bits_per_weight"), r.get("overhead_ms_per_token")
         md.append(f"| {r['model']} | {r['format']} | {r['impl']} | {r['threads']} | {r['prefill_tokens_per_s']:.1f} | "
-                  f"{r['decode_tokens_per_s']:.2f} | {r['weight_bytes'] / 1e6:.0f} | "
-                  f"{'' if bpw is None else f'{bpw:.2f}'} | {bound:.1f} | "
+                  f"{r['decode_tokens_per_s']:.2f} | {'' if ovh is None else f'{ovh:.3f}'} | "
+                  f"{r['weight_bytes'] / 1e6:.0f} | {'' if bpw is None else f'{bpw:.2f}'} | {bound:.1f} | "
                   f"{r['decode_tokens_per_s'] / bound:.0%} | {r['peak_rss_mb']:.0f} |")
     md += ["", "## Goals", "", *analyse(data), ""]
     md += [f"- {m}" for m in data.get("notes", [])]
@@ -371,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = [int(t) for t in args.threads.split(",")]
     load_before = [round(x, 2) for x in os.getloadavg()]
-    bw = read_bandwidth()      # the 1 GiB buffer is freed before any child starts
+    bws = {str(t): read_bandwidth(t) / 1e9 for t in threads}      # the buffers are freed before any child starts
     records, notes = [], []
     jobs = []
     for model in args.models.split(","):
@@ -408,13 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         records.append(rec)
     toy = [r for r in records if r["model"] == "toy" and "error" not in r]
     for r in toy:
-        bound = bw / r["weight_bytes"]
+        bound = bws[str(r["threads"])] * 1e9 / r["weight_bytes"]
         notes.append(f"toy ({r['impl']}, {r['threads']} thread(s)): {r['decode_tokens_per_s']:.1f} tokens/s against a "
                      f"bandwidth bound of {bound:.0f} tokens/s for its {r['weight_bytes'] / 1e6:.2f} MB: "
                      f"overhead-bound, {bound / r['decode_tokens_per_s']:.0f}x below it")
-    data = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}",
+    data = {"machine": machine.describe(),
             "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
-            "read_bandwidth_gb_s": bw / 1e9, "threads": threads, "prompt_tokens": args.prompt_tokens,
+            "read_bandwidth_gb_s": bws[str(min(threads))], "read_bandwidth_gb_s_by_threads": bws, "threads": threads, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "goals": GOALS, "notes": notes, "records": records}
     write_json(out_dir / "bench_generate.json", data)
     write_report(data, out_dir)

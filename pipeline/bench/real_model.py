@@ -37,7 +37,6 @@ import gc
 import json
 import math
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench import generate
+from pipeline.bench import generate, machine
 from pipeline.io import atomic_path, write_json, write_text
 
 ROOT = generate.ROOT
@@ -474,25 +473,6 @@ def _quality(spec: dict) -> dict:
 
 # --- the run ----------------------------------------------------------------------------------------------------
 
-def machine() -> dict:
-    """The CPU: model name, the SIMD flags that matter here, core count."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
-                name = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_vbmi", "avx512vbmi", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8",
-              "amx_bf16", "asimddp", "i8mm", "sve")
-    return {"cpu": name, "flags": [f for f in wanted if f in flags], "cpus": os.cpu_count(),
-            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "platform": platform.platform()}
-
-
 def packed_models(root: str | Path, teacher_config) -> tuple[list[dict], list[str]]:
     """Our packed files under ``root`` (``<format>/<method>/model.safetensors``) that come from a text-only Llama
     with the teacher's widths; the others are named in the notes."""
@@ -671,7 +651,7 @@ def run(args, out_dir: str | Path | None = None) -> dict:
                                        "windows": len(windows),
                                        "predicted_tokens": teacher_scores["perplexity_tokens"]},
                             "teacher_data": str(args.teacher_data)},
-                "rows": [], "machine": machine(), "threads": threads, "quality_threads": quality_threads,
+                "rows": [], "machine": machine.describe(), "threads": threads, "quality_threads": quality_threads,
                 "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                 "bits_per_weight_counts": BPW_COUNTS, "census": {}, "refusals": refusals, "notes": notes,
                 "load_average_before": [round(x, 2) for x in os.getloadavg()],

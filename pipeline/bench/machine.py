@@ -1,0 +1,34 @@
+"""The machine a benchmark ran on, for its report: the CPU's model name and the SIMD flags that decide which
+kernels run (x86: AVX2, AVX-512 VBMI / VNNI / BF16, AMX; Arm: dotprod, i8mm, SVE), core counts, platform."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+FLAGS = ("avx2", "avx512f", "avx512_vbmi", "avx512vbmi", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8",
+         "amx_bf16", "asimddp", "i8mm", "sve")
+
+
+def describe() -> dict:
+    """``{"cpu", "flags", "cpus", "usable_cpus", "platform"}`` from ``/proc/cpuinfo`` (where there is one)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
+                name = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": name, "flags": [f for f in FLAGS if f in flags], "cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "platform": platform.platform()}
+
+
+def line(m: dict) -> str:
+    """The machine in one line of a report."""
+    return (f"{m['cpu']} ({', '.join(m['flags']) or 'no SIMD flags found'}), {m['usable_cpus']} of {m['cpus']} CPUs "
+            f"usable, {m['platform']}")
