@@ -153,12 +153,14 @@ static void product_range(const product *p, size_t b, size_t e) {
     }
 }
 
-/* The products of one input, their output channels cut into contiguous chunks over the threads. */
+/* The products of one input, their output channels cut into contiguous chunks over the threads; products
+ * smaller than PARALLEL_MACS in all stay on the calling thread (waking the others costs more than they save). */
+#define PARALLEL_MACS 131072
 static void run_products(int threads, const product *ps, int count) {
-    size_t total = 0;
-    for (int i = 0; i < count; i++) total += ps[i].units;
+    size_t total = 0, macs = 0;
+    for (int i = 0; i < count; i++) total += ps[i].units, macs += ps[i].w->n * ps[i].w->k;
 #ifdef _OPENMP
-    if (threads > 1 && total > 1) {
+    if (threads > 1 && total > 1 && macs >= PARALLEL_MACS) {
         size_t chunks = MIN((size_t)threads * CHUNKS_PER_THREAD, total);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
         for (size_t c = 0; c < chunks; c++) {
@@ -245,7 +247,7 @@ static void attend_head(const s3d8_decoder *d, const s3d8_layer *L, const float 
 static void attention(const s3d8_decoder *d, const s3d8_layer *L, int threads, const areas *a, size_t len) {
     size_t hd = d->head_dim, nh = d->n_heads;
 #ifdef _OPENMP
-    if (threads > 1 && nh > 1 && nh * len * hd >= 65536) {
+    if (threads > 1 && nh > 1 && 2 * nh * len * hd >= PARALLEL_MACS) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (size_t h = 0; h < nh; h++) attend_head(d, L, a->q + h * hd, h, len, a->scores + h * len, a->att + h * hd);
         return;

@@ -13,12 +13,11 @@ Two kinds of packed file run here:
 Generation, greedy or sampled (temperature, top-k, top-p, seeded), with a KV cache, two ways:
 
 - ``impl="hf"``: Hugging Face ``generate`` (its ``DynamicCache``, logits processors, stopping criteria);
-- ``impl="lean"`` (the default): our own loop. For Llama files the whole decoder is ours (preallocated
-  float32 KV cache, RoPE tables, ``scaled_dot_product_attention`` with GQA for a prompt and two batched
-  products for a decode token, logits of the last position only); for Mllama files a minimal loop over the HF
-  model and its cache (``logits_to_keep=1``, no processors). ``pipeline/bench/generate.py`` measures both
-  (``reports/bench_generate.md``): the lean loop is faster on the synthetic 3B, equal (1 thread) or faster (2)
-  on the 1B and within the run-to-run noise on the overhead-bound toy, so it is the default.
+- ``impl="lean"`` (the default): our own loop. The prompt runs on torch (Llama files: our decoder with a
+  preallocated float32 KV cache, RoPE tables and ``scaled_dot_product_attention``; Mllama files: the HF model,
+  ``logits_to_keep=1``), then every decode token is one C call (:mod:`pipeline.decode_step`: the whole layer
+  loop over the same weights and caches, no torch call per operation). ``pipeline/bench/generate.py`` measures
+  both loops (``reports/bench_generate.md``).
 
 ``python -m pipeline.runtime MODEL_DIR --prompt "..." [--image PATH] [--max-new-tokens N] [--threads N]`` (a packed
 model directory, or its ``model.safetensors``; ``s3d8 generate`` is the same command) prints the answer as it comes
@@ -217,7 +216,8 @@ def _rotary(cfg: dict):
 
 class LeanLlama:
     """A Llama decoder over packed tensors: native Linear kernels (S3D8, INT8 or bf16 by file), row
-    embeddings, a preallocated float32 KV cache, logits of the last position only. Batch 1."""
+    embeddings, a preallocated float32 KV cache, logits of the last position only, a decode token in one C call
+    (``self.native``). Batch 1."""
 
     kind = "llama"
 
@@ -288,7 +288,8 @@ class LeanLlama:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, *, step: bool = True) -> torch.Tensor:
         """Logits (float32 ``[vocab]``) of the last of ``ids`` (1-D), placed at positions ``pos ...``. A single
-        token takes :meth:`_step` (``step=False``: the general path, the same bits, tested)."""
+        token takes the C step (``step=False``: the torch path, the same tokens, tested); its logits are a buffer
+        the next step overwrites."""
         t = ids.numel()
         if pos + t > self.max_len:
             raise RuntimeInputError(f"{pos + t} positions exceed the KV cache of {self.max_len}")

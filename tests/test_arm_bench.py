@@ -116,7 +116,7 @@ def test_generate_benchmark_writes_its_report_atomically(tmp_path, monkeypatch):
     assert set(data["read_bandwidth_gb_s_by_threads"]) == {"1", "2"} and data["read_bandwidth_gb_s"] > 0
     assert data["machine"]["cpu"] and isinstance(data["machine"]["flags"], list)
     md = (out / "bench_generate.md").read_text()
-    assert "| toy | s3d8 | lean | 1 |" in md and "overhead-bound" in md and "**toy, 1 thread**" in md
+    assert "| toy | s3d8 | lean | 1 |" in md and "fixed costs" in md and "**toy, 1 thread**" in md
     assert data["machine"]["cpu"] in md
     assert sorted(p.name for p in out.iterdir()) == ["bench_generate.json", "bench_generate.md", "bench_generate.png"]
 

@@ -450,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in toy:
         bound = bws[str(r["threads"])] * 1e9 / r["weight_bytes"]
         notes.append(f"toy ({r['impl']}, {r['threads']} thread(s)): {r['decode_tokens_per_s']:.1f} tokens/s against a "
-                     f"bandwidth bound of {bound:.0f} tokens/s for its {r['weight_bytes'] / 1e6:.2f} MB: "
-                     f"overhead-bound, {bound / r['decode_tokens_per_s']:.0f}x below it")
+                     f"bandwidth bound of {bound:.0f} tokens/s for its {r['weight_bytes'] / 1e6:.2f} MB "
+                     f"({r['decode_tokens_per_s'] / bound:.0%} of it; at this size a token is its fixed costs)")
     data = {"machine": machine.describe(),
             "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "read_bandwidth_gb_s": bws[str(min(threads))], "read_bandwidth_gb_s_by_threads": bws, "threads": threads, "prompt_tokens": args.prompt_tokens,
