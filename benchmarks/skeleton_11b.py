@@ -36,10 +36,11 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from pipeline.memory_plan import GB, Workload, count_params, qat_device, step_host  # noqa: E402
+
 WORK = ROOT / "checkpoints" / "skeleton-11b"      # ignored by git (checkpoints/), outside every DVC output
 REPORT_JSON = ROOT / "reports" / "skeleton_11b.json"
 REPORT_MD = ROOT / "reports" / "skeleton_11b.md"
-GB = 1e9
 
 # ----------------------------------------------------------------------------------------------------------------
 # The skeleton's shape
@@ -270,165 +271,26 @@ def build(out: str | Path, s: Size, seed: int = 0, max_shard_size: str = "2GB") 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def count_params(config) -> dict:
-    """Parameter counts of the model ``config`` describes, built on the ``meta`` device (no memory): total,
-    quantised (the recipe's Linear / Embedding weights), per FSDP2 sharding unit (largest of each kind), the
-    largest quantised matrix, and the pieces the memory model needs."""
-    from transformers import MllamaForConditionalGeneration
-
-    from pipeline.qat.distributed import sharding_units
-    from pipeline.recipe import quantised_modules
-
-    with torch.device("meta"):
-        model = MllamaForConditionalGeneration(config)
-    total = sum(p.numel() for p in model.parameters())
-    quantised = {name: m.weight.numel() for name, m in quantised_modules(model)}
-    units = {name: sum(p.numel() for p in m.parameters()) for name, m in sharding_units(model)}
-    in_units = sum(units.values())
-    lang = model.model.language_model
-    cross = set(config.text_config.cross_attention_layers)
-    text_self = [sum(p.numel() for p in layer.parameters()) for i, layer in enumerate(lang.layers) if i not in cross]
-    text_cross = [sum(p.numel() for p in layer.parameters()) for i, layer in enumerate(lang.layers) if i in cross]
-    vision = model.model.vision_model
-    return {
-        "total": total,
-        "quantised": sum(quantised.values()),
-        "quantised_matrices": len(quantised),
-        "largest_matrix": max(quantised.values()),
-        "largest_unit": max(units.values()),
-        "root_unit": total - in_units,
-        "embed": lang.embed_tokens.weight.numel(),
-        "lm_head": model.lm_head.weight.numel(),
-        "projector": sum(p.numel() for p in model.model.multi_modal_projector.parameters()),
-        "text_self_layer": max(text_self, default=0), "text_self_layers": len(text_self),
-        "text_cross_layer": max(text_cross, default=0), "text_cross_layers": len(text_cross),
-        "vision_local_layers": len(vision.transformer.layers), "vision_global_layers": len(vision.global_transformer.layers),
-        "vision_layer": sum(p.numel() for p in vision.transformer.layers[0].parameters()) if len(vision.transformer.layers) else 0,
-        "vision_other": sum(p.numel() for n, p in vision.named_parameters() if ".layers." not in n),
-    }
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The memory model
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Workload:
-    """What one QAT micro-step processes on one device."""
-    micro_batch: int                 # sequences per device per micro-step
-    seq: int                         # text tokens per sequence
-    tiles: int                       # vision tiles per image the encoder runs (Mllama pads to max_num_tiles)
-
-
-def _shape(config) -> dict:
-    t, v = config.text_config, config.vision_config
-    patches = (v.image_size // v.patch_size) ** 2 + 1
-    return {"h": t.hidden_size, "i": t.intermediate_size, "kv": t.hidden_size // t.num_attention_heads * t.num_key_value_heads,
-            "V": t.vocab_size, "d": v.hidden_size, "m": v.intermediate_size, "patches": patches,
-            "padded": patches + (8 - patches % 8) % 8, "n_int": len(v.intermediate_layers_indices),
-            "vision_heads": v.attention_heads}
-
-
-def activation_bytes(config, counts: dict, w: Workload, compute_bytes: int, checkpointing: bool,
-                     eager_vision_attention: bool = False) -> dict:
-    """Activation memory of one student forward kept for its backward, per device, in bytes (estimates).
-
-    Saved elements per token and layer, without checkpointing (every Linear input is fake-quantised to INT8
-    first, and each quantised copy is saved: q/k/v and gate/up each keep their own):
-      text self layer  12h + 4kv + 5i       (norms, 3 quantised inputs, q/k/v, attention out, MLP)
-      text cross layer 12h + 2kv + 5i over text tokens, plus 2h + 3kv per image token (k/v projections)
-      vision layer     12d + 5m over the encoder's padded tokens (tiles x padded patches)
-    With checkpointing (transformers' per-layer checkpointing of the text decoder and both vision encoders) only
-    each layer's input is kept (h or d per token) plus one layer's full set during its recompute, the vision
-    outputs kept for the projector (5 intermediate + 1 final states) and the projected image tokens. Logits: the
-    teacher's and student's (compute dtype), both log-softmaxes and the logits' gradient in fp32."""
-    sh = _shape(config)
-    h, i, kv, V, d, m = sh["h"], sh["i"], sh["kv"], sh["V"], sh["d"], sh["m"]
-    b, s = w.micro_batch, w.seq
-    text_tokens = b * s
-    img_tokens = b * w.tiles * sh["patches"]           # cross-attention keys / values (the 11B: 4 x 1601 = 6404)
-    vis_tokens = b * w.tiles * sh["padded"]            # the encoder's sequence (padded to a multiple of 8)
-    n_self, n_cross = counts["text_self_layers"], counts["text_cross_layers"]
-    n_vis = counts["vision_local_layers"] + counts["vision_global_layers"]
-    self_full = text_tokens * (12 * h + 4 * kv + 5 * i)
-    cross_full = text_tokens * (12 * h + 2 * kv + 5 * i) + img_tokens * (2 * h + 3 * kv)
-    vis_full = vis_tokens * (12 * d + 5 * m)
-    vis_attn = 0
-    if eager_vision_attention:                         # attention probabilities materialised (math path, 4-D mask)
-        vis_attn = b * sh["vision_heads"] * (w.tiles * sh["padded"]) ** 2
-    vision_keep = vis_tokens * d * (sh["n_int"] + 1) + img_tokens * h      # encoder outputs + projected tokens
-    if checkpointing:
-        layers = (n_self + n_cross) * text_tokens * h + n_vis * vis_tokens * d
-        recompute = max(self_full, cross_full, vis_full + vis_attn)
-        elements = layers + recompute + vision_keep
-    else:
-        elements = n_self * self_full + n_cross * cross_full + n_vis * (vis_full + vis_attn) + vision_keep
-    logits = text_tokens * V * (2 * compute_bytes + 3 * 4)
-    return {"layers": elements * compute_bytes, "logits": logits, "total": elements * compute_bytes + logits}
-
-
 def qat_memory(config, *, devices: int = 8, workload: Workload | None = None, compute_bytes: int = 2,
                teacher: str = "shard", checkpointing: bool = True, teacher_bytes: int = 2,
-               eager_vision_attention: bool = False, counts: dict | None = None) -> dict:
-    """Per-device memory of one QAT step under FSDP2, in bytes, by component (estimates; see the report).
-
-    - teacher: ``teacher_bytes`` (bf16) x P, on every device (``replicate``) or / devices (``shard``; plus two
-      gathered units, the current one and the prefetched next);
-    - student fp32 masters, gradients (fp32, reduced in fp32) and AdamW's two moments: 4 + 4 + 8 bytes x P /
-      devices;
-    - gathered student units in the compute dtype: two at a time (current + prefetch);
-    - fake-quantised weights saved for the backward: every QuantLinear's ``F.linear(x, Q(w))`` keeps ``Q(w)`` in
-      the compute dtype until the backward (all Linear weights without checkpointing; with it only those outside
-      the checkpointed layers: ``lm_head`` and the projector);
-    - activations and logits (:func:`activation_bytes`).
-    Also ``host_load``: the host RAM one process needs while the current library builds the student (every rank
-    loads the whole fp32 student and the whole teacher before sharding: P x (4 + teacher_bytes))."""
+               counts: dict | None = None, strategy: str = "fsdp2") -> dict:
+    """Per-device bytes of one QAT step by term (``pipeline.memory_plan.qat_device``, the plan's model), with
+    ``host_load``: the host RAM rank 0 needs to load the fp32 student and the teacher."""
     counts = counts or count_params(config)
-    P = counts["total"]
-    t = config.text_config
     w = workload or Workload(micro_batch=4, seq=512, tiles=config.vision_config.max_num_tiles)
-    unit = counts["largest_unit"]
-    parts = {}
-    if teacher == "shard":
-        parts["teacher"] = teacher_bytes * P / devices + 2 * teacher_bytes * unit
-    else:
-        parts["teacher"] = teacher_bytes * P
-    parts["masters_fp32"] = 4 * P / devices
-    parts["grads_fp32"] = 4 * P / devices
-    parts["adamw"] = 8 * P / devices
-    parts["gathered_units"] = 2 * compute_bytes * unit
-    linear_q = counts["quantised"] - counts["embed"]
-    saved = linear_q if not checkpointing else counts["lm_head"] + counts["projector"]
-    parts["saved_quantised_weights"] = compute_bytes * saved
-    act = activation_bytes(config, counts, w, compute_bytes, checkpointing, eager_vision_attention)
-    parts["activations"] = act["layers"]
-    parts["logits"] = act["logits"]
-    total = sum(parts.values())
-    return {"parts": parts, "total": total, "host_load": P * (4 + teacher_bytes), "params": P,
-            "workload": dataclasses.asdict(w), "devices": devices, "teacher": teacher,
-            "checkpointing": checkpointing, "compute_bytes": compute_bytes, "vocab": t.vocab_size}
+    parts = qat_device(config, counts, devices=devices, workload=w, compute_bytes=compute_bytes, strategy=strategy,
+                       teacher=teacher, checkpointing=checkpointing, teacher_bytes=teacher_bytes)
+    P = counts["total"]
+    return {"parts": parts, "total": sum(parts.values()), "host_load": P * (4 + teacher_bytes), "params": P,
+            "workload": dataclasses.asdict(w), "devices": devices, "teacher": teacher, "checkpointing": checkpointing,
+            "compute_bytes": compute_bytes, "vocab": config.text_config.vocab_size}
 
 
 def step_memory(counts: dict, base: float, file_bytes: float | None = None) -> dict:
-    """Predicted peak RSS (bytes) of the single-process steps, from parameter counts: ``base`` is the process's
-    RSS after importing torch and transformers (measured). Streaming steps (fit, pack) hold the largest
-    matrix in fp32 plus temporaries, whatever the depth; loading holds the weights once."""
-    P, Q, big = counts["total"], counts["quantised"], counts["largest_matrix"]
-    other = P - Q
-    packed = file_bytes if file_bytes is not None else Q * 8 / 3 / 8 + 2 * other
-    return {
-        # fit: the matrix in fp32, its fake-quantised copy, the squared error and the sampled vectors for k-means
-        "fit": base + 4 * big * 4,
-        # pack: the bf16 tensor read, its fp32 copy, the packed bytes and scales
-        "pack": base + big * (2 + 4 + 1),
-        # build: one bf16 copy of the model and one safetensors shard being serialised (2 GB)
-        "build": base + 2 * P + 2e9,
-        # lazy load: the file's tensors (packed bytes + bf16 rest upcast to fp32), no decoded weight
-        "load_lazy": base + packed + 2 * other,
-        # eager load: every weight decoded to fp32, plus the largest matrix's decode temporaries
-        "load_eager": base + 4 * P + 4 * big,
-    }
+    """Predicted peak RSS (bytes) of the single-process steps: ``base`` (the interpreter, measured) plus
+    ``pipeline.memory_plan.step_host``; ``build`` holds one bf16 copy and a 2 GB shard being written."""
+    return {"build": base + 2 * counts["total"] + 2e9,
+            **{k: base + v for k, v in step_host(counts, file_bytes).items()}}
 
 
 def table_11b(devices: int = 8, batch: int = 128, grad_accum: int = 4, seq: int = 512) -> list[dict]:

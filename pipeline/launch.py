@@ -125,13 +125,71 @@ def run_stage(main: Callable[[], object]) -> None:
             dist.destroy_process_group()
 
 
+def plan_main(argv: list[str]) -> int:
+    """``python -m pipeline.launch plan``: the memory plan of this run (:mod:`pipeline.memory_plan`); exit status 1
+    when a phase does not fit."""
+    import argparse
+
+    from pipeline import memory_plan, params
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.launch plan",
+                                 description="per-GPU and per-node host memory of every stage and phase of this run")
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--config", help="the teacher's directory or config.json (default: teacher.dir)")
+    ap.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU (default: this machine's GPU, if any)")
+    ap.add_argument("--host-memory-gb", type=float, help="host RAM of one node (default: this machine's)")
+    args = ap.parse_args(argv)
+    try:
+        p = params.read(args.params)
+        config = memory_plan._teacher_config(Path(args.config).parent if str(args.config).endswith(".json")
+                                             else args.config) if args.config else None
+        phases = memory_plan.plan(p, config)
+        gpu, host = memory_plan.memory_available(args.gpu_memory_gb, args.host_memory_gb)
+        per_node = p["launch"].num_processes // memory_plan._machines(p["launch"])
+    except (ParamsError, FileNotFoundError, ValueError) as e:
+        print(f"launch plan: error: {e}", file=sys.stderr)
+        return 1
+    print(memory_plan.summary(phases, gpu, host))
+    problems = memory_plan.check(phases, gpu, host, per_node)
+    for line in problems:
+        print(f"does not fit: {line}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _memory_check(script: str, params_path: str, p: LaunchParams) -> None:
+    """Refuse to start a stage whose memory plan does not fit this machine (``S3D8_MEMORY_CHECK=0``: skip)."""
+    if os.environ.get("S3D8_MEMORY_CHECK", "1") == "0":
+        return
+    from pipeline import memory_plan, params
+
+    doc = params.read(params_path)
+    stage = memory_plan.stage_of(script)
+    if not (Path(doc["teacher"].dir) / "config.json").is_file():
+        return                                           # teacher-import has not run: nothing to plan from
+    try:
+        phases = [ph for ph in memory_plan.plan(doc) if ph.stage == stage]
+    except Exception as e:  # noqa: BLE001  (a model the estimates do not cover must not stop the run)
+        print(f"launch: no memory plan for {script} ({type(e).__name__}: {e})", file=sys.stderr)
+        return
+    if not phases:
+        return
+    gpu, host = memory_plan.memory_available()
+    problems = memory_plan.check(phases, gpu, host, p.num_processes // memory_plan._machines(p))
+    if problems:
+        raise ValueError("the memory plan does not fit this machine (python -m pipeline.launch plan; "
+                         "S3D8_MEMORY_CHECK=0 to start anyway): " + "; ".join(problems))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        raise SystemExit(plan_main(argv[1:]))
     params_path = "params.yaml"
     if argv[:1] == ["--params"] and len(argv) > 1:       # the launcher's own --params, before the script
         params_path, argv = argv[1], argv[2:]
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip().splitlines()[0] + "\n\nusage: python -m pipeline.launch [--params FILE] SCRIPT [ARGS...]")
+        print(__doc__.strip().splitlines()[0] + "\n\nusage: python -m pipeline.launch [--params FILE] SCRIPT [ARGS...]\n"
+              "       python -m pipeline.launch plan [--params FILE] [--gpu-memory-gb N] [--host-memory-gb N]")
         raise SystemExit(0 if argv else 2)
     script, args = argv[0], argv[1:]
     if "--params" in args[:-1]:                        # the script's --params is the launcher's too
@@ -143,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(script).is_file():
             raise FileNotFoundError(f"{script}: script not found")
         cmd = command(script, args, p)
+        _memory_check(script, params_path, p)
     except (ParamsError, FileNotFoundError, ValueError) as e:
         print(f"launch: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -116,3 +116,16 @@ def test_apply_preset_keeps_comments_and_layout(tmp_path):
     (tmp_path / "bad.yaml").write_text("qat: {stepz: 1}\n")
     with pytest.raises(ParamsError, match="qat.stepz"):
         params.apply_preset(tmp_path / "bad.yaml", target)
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (params.Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")))
+def test_every_shipped_preset_applies(tmp_path, preset):
+    """Each ``configs/*.yaml`` applies on the shipped params.yaml as the README says (the 11B preset once set
+    ``threads: null``, which no section accepts), and the 8-GPU launch preset applies on top of it."""
+    root = params.Path(__file__).resolve().parent.parent
+    target = tmp_path / "params.yaml"
+    target.write_text((root / "params.yaml").read_text())
+    params.apply_preset(root / "configs" / preset, target)
+    if preset == "llama-3.2-11b-vision.yaml":
+        params.apply_preset(root / "configs/launch/gpu8-fsdp2-11b.yaml", target)
+        assert params.read(target)["launch"].num_processes == 8

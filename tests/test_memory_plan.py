@@ -1,0 +1,89 @@
+"""The memory plan (pipeline/memory_plan.py, ``python -m pipeline.launch plan``): terms per stage and phase from the
+params and the teacher's config, the check that names what does not fit, and the launcher's refusal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import memory_plan, params
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _params(tmp_path, teacher_dir, **sections) -> Path:
+    doc = yaml.safe_load((ROOT / "params.yaml").read_text())
+    doc["teacher"]["dir"] = str(teacher_dir)
+    for section, values in sections.items():
+        doc[section].update(values)
+    out = tmp_path / "params.yaml"
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+def test_plan_terms_follow_the_launch_settings(tmp_path, tiny_checkpoint):
+    teacher = Path(tiny_checkpoint)
+    ddp = memory_plan.plan(params.read(_params(tmp_path, teacher)))
+    stages = {ph.stage for ph in ddp}
+    assert {"teacher-generate", "calibrate", "direct-cast", "fit-centroids", "qat-train", "pack-safetensors",
+            "eval"} <= stages
+    train = next(ph for ph in ddp if (ph.stage, ph.phase) == ("qat-train", "train")).device
+    assert {"masters_fp32", "grads_fp32", "adamw", "activations", "logits", "kl_cache"} <= set(train)
+    fsdp = memory_plan.plan(params.read(_params(tmp_path, teacher, launch={"num_processes": 4, "strategy": "fsdp2",
+                                                                           "teacher": "shard"},
+                                               qat={"teacher_logits": "forward", "batch_size": 16, "grad_accum": 1})))
+    sharded = next(ph for ph in fsdp if (ph.stage, ph.phase) == ("qat-train", "train")).device
+    assert sharded["adamw"] == pytest.approx(train["adamw"] / 4)            # moments sharded 4 ways
+    assert "kl_cache" not in sharded and sharded["teacher"] < train["teacher"]
+    ckpt = memory_plan.plan(params.read(_params(tmp_path, teacher, launch={"gradient_checkpointing": True})))
+    assert next(ph for ph in ckpt if ph.phase == "train").device["activations"] < train["activations"]
+
+
+def test_check_names_the_phase_and_its_largest_terms(tmp_path, tiny_checkpoint):
+    phases = memory_plan.plan(params.read(_params(tmp_path, Path(tiny_checkpoint))))
+    assert memory_plan.check(phases, None, 64e9, 1) == []
+    problems = memory_plan.check(phases, None, 1e6, 2, stage="qat-train")
+    assert problems and all(p.startswith("qat-train (") for p in problems)
+    assert "activations (x2 processes)" in " ".join(problems)
+    on_gpu = memory_plan.check(phases, 1e6, 64e9, 2)
+    assert any("per GPU" in p and "teacher-generate" in p for p in on_gpu)
+
+
+def test_the_11b_preset_fits_8_gpus_of_80_gb():
+    """The README's 11B run (its preset and the 8-GPU launch preset) on the real config's counts: QAT fits an
+    80 GB GPU only with what the launch preset turns on (sharded teacher, checkpointing, bf16 compute)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import skeleton_11b
+
+    config = skeleton_11b.full_11b_config()
+    counts = memory_plan.count_params(config)
+    doc = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for preset in ("configs/llama-3.2-11b-vision.yaml", "configs/launch/gpu8-fsdp2-11b.yaml"):
+        doc = params.merge(doc, yaml.safe_load((ROOT / preset).read_text()))
+    p = params.validate(doc)
+    phases = memory_plan.plan(p, config, counts)
+    assert memory_plan.check(phases, 80e9, 2e12, 8, stage="qat-train") == []
+    train = next(ph for ph in phases if ph.phase == "train")
+    assert 30e9 < train.total("device") < 60e9
+    p["launch"].gradient_checkpointing = False
+    problems = memory_plan.check(memory_plan.plan(p, config, counts), 80e9, 2e12, 8, stage="qat-train")
+    assert problems and "activations" in problems[0]
+
+
+def test_cli_prints_the_plan_and_the_launcher_refuses_what_does_not_fit(tmp_path, tiny_checkpoint):
+    path = _params(tmp_path, Path(tiny_checkpoint))
+    run = subprocess.run([sys.executable, "-m", "pipeline.launch", "plan", "--params", str(path)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "qat-train" in run.stdout and "adamw" in run.stdout and "host RAM per node" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "pipeline.launch", "plan", "--params", str(path), "--host-memory-gb",
+                          "0.001"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and "does not fit: qat-train (train)" in run.stderr
+    big = _params(tmp_path, Path(tiny_checkpoint), qat={"batch_size": 1 << 20, "grad_accum": 1})
+    run = subprocess.run([sys.executable, "-m", "pipeline.launch", "--params", str(big), "stages/qat_train.py"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and "memory plan does not fit" in run.stderr and "logits" in run.stderr
