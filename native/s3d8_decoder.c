@@ -4,9 +4,10 @@
  * quantisation per input vector, output channels in contiguous chunks, so the bits do not depend on
  * the thread count); the products that share an input (q, k, v; gate, up) run in one parallel
  * region. Everything else is plain float32 C in the order the Python runtime computes it: RoPE and
- * the residual and gate arithmetic are bit-identical to it, while the RMSNorm mean, the SiLU's exp
- * and the attention sums may differ from torch's in the last bit (their summation order and exp
- * are torch's own).
+ * the residual and gate arithmetic are bit-identical to it, while the RMSNorm mean, the SiLU's exp,
+ * the softmax (a polynomial exp, within 2 ulp) and the attention sums may differ from torch's in the
+ * last bits (their summation order and exp are torch's own). The attention reads each cached key and
+ * value once for all the query heads that share it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -212,48 +213,94 @@ static void rope(float *x, size_t heads, size_t hd, const float *cos, const floa
     }
 }
 
+/* The float loops are compiled for the widest vectors the CPU has (x86: function clones chosen at load time).
+ * Their arithmetic is the same in every clone: with -ffp-contract=off each partial sum below is its own
+ * sequence of roundings whatever the vector width, so the bits do not depend on the CPU. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDE __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define WIDE
+#endif
+
 /* sum_i a[i] * b[i] in 16 partial sums (vectorisable; a single running sum is one add per cycle). */
-static float dot(const float *a, const float *b, size_t n) {
+static inline float dot(const float *a, const float *b, size_t n) {
     float part[16] = {0};
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
         for (int j = 0; j < 16; j++) part[j] += a[i + j] * b[i + j];
     for (; i < n; i++) part[i % 16] += a[i] * b[i];
-    for (int w = 8; w; w /= 2)
-        for (int j = 0; j < w; j++) part[j] += part[j + w];
-    return part[0];
+    for (int j = 0; j < 8; j++) part[j] += part[j + 8];
+    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
+    part[0] += part[2], part[1] += part[3];
+    return part[0] + part[1];
 }
 
-/* Query head `h` over `len` cached keys/values of its kv head: softmax(q k^T * scale + bias) v. */
-static void attend_head(const s3d8_decoder *d, const s3d8_layer *L, const float *q, size_t h, size_t len,
-                        float *scores, float *out) {
-    size_t hd = d->head_dim, g = h / (d->n_heads / d->n_kv_heads);
+/* exp(x) for x <= 0 (scores minus their maximum), vectorisable: x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite),
+ * exp(r) by Cephes' degree-6 polynomial, 2^k from the exponent bits; within 2 ulp of expf, 0 below -87. The same
+ * float operations on every CPU, so the same bits. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest */
+    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * (r * r) + r) + 1.0f;
+    union { uint32_t u; float f; } two = {(uint32_t)((int32_t)k + 127) << 23};
+    return x <= -87.0f ? 0.0f : p * two.f;
+}
+
+/* The query heads of kv head `g` over `len` cached keys/values: softmax(q k^T * scale + bias) v, each key and
+ * value read once for all the group's heads. */
+WIDE static void attend_group(const s3d8_decoder *d, const s3d8_layer *L, size_t g, size_t len, const areas *a) {
+    size_t hd = d->head_dim, per = d->n_heads / d->n_kv_heads;
     const float *kc = L->k_cache + g * L->cache_len * hd, *vc = L->v_cache + g * L->cache_len * hd;
-    float scale = (float)(1.0 / sqrt((double)hd)), top = -INFINITY, sum = 0.0f;
-    for (size_t t = 0; t < len; t++) {
-        float s = dot(q, kc + t * hd, hd) * scale;
-        if (L->bias) s = s + L->bias[t];
-        scores[t] = s;
-        top = s > top ? s : top;
+    const float *q = a->q + g * per * hd;
+    float *scores = a->scores + g * per * len, *out = a->att + g * per * hd;
+    float scale = (float)(1.0 / sqrt((double)hd));
+    for (size_t t = 0; t < len; t++)
+        for (size_t j = 0; j < per; j++) {
+            float s = dot(q + j * hd, kc + t * hd, hd) * scale;
+            scores[j * len + t] = L->bias ? s + L->bias[t] : s;
+        }
+    for (size_t j = 0; j < per; j++) {
+        float *sj = scores + j * len, top = -INFINITY, sum = 0.0f;
+        for (size_t t = 0; t < len; t++) top = sj[t] > top ? sj[t] : top;
+        for (size_t t = 0; t < len; t++) sj[t] = exp_nonpositive(sj[t] - top);
+        for (size_t t = 0; t < len; t++) sum += sj[t];
+        for (size_t t = 0; t < len; t++) sj[t] = sj[t] / sum;
     }
-    for (size_t t = 0; t < len; t++) sum += scores[t] = expf(scores[t] - top);
-    for (size_t i = 0; i < hd; i++) out[i] = 0.0f;
-    for (size_t t = 0; t < len; t++) {
-        float p = scores[t] / sum;
-        for (size_t i = 0; i < hd; i++) out[i] += p * vc[t * hd + i];
+    for (size_t j = 0; j < per; j++) {
+        const float *p = scores + j * len;
+        float *o = out + j * hd;
+        size_t i0 = 0;
+        for (; i0 + 64 <= hd; i0 += 64) {     /* 64 outputs at a time: four independent vector sums over t */
+            float acc[64] = {0};
+            for (size_t t = 0; t < len; t++)
+                for (int i = 0; i < 64; i++) acc[i] += p[t] * vc[t * hd + i0 + i];
+            memcpy(o + i0, acc, sizeof acc);
+        }
+        for (size_t i = i0; i < hd; i++) {
+            float acc = 0.0f;
+            for (size_t t = 0; t < len; t++) acc += p[t] * vc[t * hd + i];
+            o[i] = acc;
+        }
     }
 }
 
 static void attention(const s3d8_decoder *d, const s3d8_layer *L, int threads, const areas *a, size_t len) {
-    size_t hd = d->head_dim, nh = d->n_heads;
+    size_t nkv = d->n_kv_heads;
 #ifdef _OPENMP
-    if (threads > 1 && nh > 1 && 2 * nh * len * hd >= PARALLEL_MACS) {
+    if (threads > 1 && nkv > 1 && 2 * d->n_heads * len * d->head_dim >= PARALLEL_MACS) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (size_t h = 0; h < nh; h++) attend_head(d, L, a->q + h * hd, h, len, a->scores + h * len, a->att + h * hd);
+        for (size_t g = 0; g < nkv; g++) attend_group(d, L, g, len, a);
         return;
     }
 #endif
-    for (size_t h = 0; h < nh; h++) attend_head(d, L, a->q + h * hd, h, len, a->scores + h * len, a->att + h * hd);
+    for (size_t g = 0; g < nkv; g++) attend_group(d, L, g, len, a);
 }
 
 static void embed(const s3d8_decoder *d, const s3d8_variant *var, const areas *a, size_t token) {

@@ -7,8 +7,8 @@ products of one input in one parallel region), RoPE, attention over the cache, S
 and ``lm_head``. The runtime's prompt (prefill) path stays on torch and fills the same caches.
 
 Its tokens are the runtime's torch path's (tested): the products, RoPE and the residuals are the same arithmetic to
-the bit; the RMSNorm mean, SiLU's ``exp`` and the attention sums are summed in another order than torch's and may
-differ in the last bit. ``stub_products=True`` skips every product: the time left is the step's overhead, which
+the bit; the RMSNorm mean, SiLU's ``exp``, the softmax's ``exp`` (a polynomial, within 2 ulp) and the attention sums
+are computed otherwise than torch's and may differ in the last bits. ``stub_products=True`` skips every product: the time left is the step's overhead, which
 ``pipeline.bench.generate`` reports.
 """
 
