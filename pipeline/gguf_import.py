@@ -13,7 +13,6 @@ written one at a time, so memory holds one matrix (in float32) beside the reader
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from pathlib import Path
 
@@ -29,14 +28,6 @@ class SourceError(ValueError):
 
 
 ARCHITECTURE = "llama"          # the GGUF ``general.architecture`` this import reads
-
-
-def sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def open_gguf(path: str | Path):

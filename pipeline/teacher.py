@@ -175,7 +175,9 @@ def import_teacher(source: str, out: str | Path) -> dict:
             record["tools"] = _tool_versions()
             write_json(tmp / PROVENANCE, record)
         return record
-    record.update({"kind": "gguf", "file": path.name, "sha256": gguf_import.sha256(path)})
+    from pipeline.shards import file_sha256      # pyarrow: not needed to run a packed model
+
+    record.update({"kind": "gguf", "file": path.name, "sha256": file_sha256(path)})
     with atomic_dir(out) as tmp:
         record.update(gguf_import.convert(path, tmp, check_config=lambda c: check_supported(c, str(path))))
         record["tools"] = _tool_versions()

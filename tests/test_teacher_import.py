@@ -17,6 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from pipeline import gguf_import  # noqa: E402
+from pipeline.shards import file_sha256  # noqa: E402
 from pipeline.teacher import K_MAX, import_teacher, main  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,7 +153,7 @@ def test_import_equals_transformers_gguf_loader(tmp_path, qtype, tied):
         "tokenizer.json", "tokenizer_config.json"])
     assert not list(tmp_path.glob(".teacher.*"))          # nothing left beside it
     assert record == json.loads((out / "teacher_import.json").read_text())
-    assert record["kind"] == "gguf" and record["file"] == src.name and record["sha256"] == gguf_import.sha256(src)
+    assert record["kind"] == "gguf" and record["file"] == src.name and record["sha256"] == file_sha256(src)
     assert record["gguf_tensor_types"]["F32"] >= 5 and record["tools"]["gguf"] == importlib.metadata.version("gguf")
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and config["dtype"] == "bfloat16"

@@ -393,7 +393,7 @@ def _n_params(model: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="tokens/s of packed models (issue 15)")
+    ap = argparse.ArgumentParser(description="tokens/s of packed models")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--models", default="toy,synthetic-1b")
     ap.add_argument("--formats", default="s3d8,int8,bf16")

@@ -68,6 +68,7 @@ BPW_COUNTS = ("bytes of every 2-D weight tensor (matrices and token embedding, w
 GOAL_MAX_BITS = 5.5          # llama.cpp files S3D8+QAT is compared with
 GOAL_SIZE_FRACTION = 0.5     # ... at this fraction of their size or less
 GOAL_PPL_FACTOR = 1.2        # S3D8+QAT perplexity within 20 % of the teacher's
+GOAL_SPEED = 1.3             # S3D8 decode vs llama.cpp's fastest file of the teacher, on each thread count
 CHILD_TIMEOUT_S = 1800
 
 
@@ -579,6 +580,8 @@ def measure_model(m: dict, args, threads: list[int], reference: str, n_ctx: int)
                "file_bits_per_weight": size["file_bits_per_weight"], "path": str(path),
                "runtime": speed.get("runtime"), "peak_rss_mb": speed.get("peak_rss_mb"),
                "quality_s": scores.get("quality_s"), **extra}
+        if speed.get("overhead_ms_per_token") is not None:
+            row["overhead_ms_per_token"] = speed["overhead_ms_per_token"]
         if "llama_cpp_perf" in speed:
             row["llama_cpp_perf"] = speed["llama_cpp_perf"]
         errors = [f"{what}: {res['error']}" for what, res in (("quality", scores), ("speed", speed)) if "error" in res]
@@ -697,7 +700,8 @@ def _find(models: list[dict], fmt: str, methods: tuple[str, ...]) -> dict | None
 
 
 def goals(data: dict) -> list[str]:
-    """The goals of issue 25 on the measured numbers, one markdown bullet each."""
+    """The goals on the measured numbers, one markdown bullet each: quality (S3D8 + QAT and its direct cast against
+    llama.cpp's files) and decode speed against llama.cpp's fastest file."""
     models = _models(data["rows"])
     teacher_ppl = data["teacher"]["perplexity"]
     llama = [r for r in models if r["impl"] == "llama.cpp" and _ok(r)]
@@ -735,6 +739,19 @@ def goals(data: dict) -> list[str]:
                        f"{direct['bits_per_weight']:.2f} bits) vs llama.cpp {r['format']} (perplexity "
                        f"{r['perplexity']:.3f}, KL {r['kl']:.4f}, {r['bits_per_weight']:.2f} bits): better on both: "
                        f"**{'met' if met else 'NOT met'}**")
+    for t in sorted({r["threads"] for r in data["rows"]}):
+        ours = [r for r in data["rows"] if r["impl"] == "ours" and r["format"] == "s3d8" and r["threads"] == t
+                and r.get("decode_tokens_per_s")]
+        theirs = [r for r in data["rows"] if r["impl"] == "llama.cpp" and r["threads"] == t
+                  and r.get("decode_tokens_per_s")]
+        if ours and theirs:
+            slow, best = min(ours, key=lambda r: r["decode_tokens_per_s"]), max(theirs, key=lambda r: r["decode_tokens_per_s"])
+            ratio = slow["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+            perf = best.get("llama_cpp_perf") or {}
+            out.append(f"- Decode, {t} thread(s): S3D8 (slower of its rows, {slow['name']}) {slow['decode_tokens_per_s']:.1f} "
+                       f"tokens/s vs llama.cpp's fastest file, {best['format']}, {best['decode_tokens_per_s']:.1f} "
+                       f"(its own counters: {_num(perf.get('decode_tokens_per_s'), '.1f')}): {ratio:.2f}x (goal >= "
+                       f"{GOAL_SPEED}x: **{'met' if ratio >= GOAL_SPEED else 'NOT met'}**)")
     missing = [f"{r['name']} ({r['threads']} thread(s))" for r in data["rows"]
                if r.get("decode_tokens_per_s") is None or r.get("prefill_tokens_per_s") is None]
     out.append(f"- Speed: every row has its decode and prefill tokens/s: **{'met' if not missing else 'NOT met'}**"
@@ -755,7 +772,7 @@ def write_report(data: dict, out_dir: str | Path) -> None:
     t, m, corpus = data["teacher"], data["machine"], data["teacher"]["corpus"]
     partial = "" if data.get("complete", True) else (
         f" (partial: {len(_models(data['rows']))} of {data.get('models_planned', '?')} models measured so far)")
-    md = [f"# A real teacher side by side with llama.cpp (issue 25){partial}", "",
+    md = [f"# A real teacher side by side with llama.cpp{partial}", "",
           f"Teacher: {t['name']} ({t['parameters'] / 1e6:.1f} M parameters, bf16, `{t['dir']}`; imported from "
           f"`{Path(t['source_gguf']).name}`), perplexity {t['perplexity']:.3f}. KL (teacher || model, per token) and "
           f"top-1 agreement over {t['kl_tokens']} response tokens of {t['heldout_answers']} held-out teacher answers "
@@ -851,7 +868,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = _defaults()
     ap = argparse.ArgumentParser(prog="python -m pipeline.bench.real_model",
                                  description="A real teacher, ours and llama.cpp's quantisations side by side "
-                                             "(issue 25): reports/real_model.{json,md,png}")
+                                             ": reports/real_model.{json,md,png}")
     ap.add_argument("--teacher", default=d.get("teacher"),
                     help="the teacher's bf16 Hugging Face directory (python -m pipeline.teacher import ...); "
                          "default: params.yaml teacher.dir (%(default)s)")
