@@ -35,7 +35,8 @@ def count_params(config) -> dict:
 
     model = meta_model(config)
     total = sum(p.numel() for p in model.parameters())
-    quantised = {name: m.weight.numel() for name, m in quantised_modules(model)}
+    weights = {id(m.weight): m.weight for _, m in quantised_modules(model)}    # a tied weight once
+    quantised = {key: w.numel() for key, w in weights.items()}
     units = {name: sum(p.numel() for p in m.parameters()) for name, m in sharding_units(model)}
     inner = getattr(model, "model", model)
     lang = getattr(inner, "language_model", inner)

@@ -87,3 +87,15 @@ def test_cli_prints_the_plan_and_the_launcher_refuses_what_does_not_fit(tmp_path
     run = subprocess.run([sys.executable, "-m", "pipeline.launch", "--params", str(big), "stages/qat_train.py"],
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 1 and "memory plan does not fit" in run.stderr and "logits" in run.stderr
+
+
+def test_a_tied_embedding_counts_once():
+    """SmolLM2 ties lm_head to the token embedding: the quantised count holds the shared weight once (it was
+    counted twice, which made the lazy eval model's size negative)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    counts = memory_plan.count_params(config)
+    assert counts["quantised"] <= counts["total"] and counts["lm_head"] == 0
+    assert memory_plan.step_host(counts)["load_lazy"] > 0
