@@ -46,6 +46,15 @@ LIBRARY = {  # source -> extra flags, per target architecture
 }
 PROGRAMS = ("s3d8_bench", "s3d8_selftest")
 
+def header_structs(*names: str) -> str:
+    """The ``typedef struct NAME {...} NAME;`` declarations of ``native/s3d8.h``, comments removed: the cdef's copy
+    of the decoder's structs is read from the header, not written twice."""
+    import re
+
+    text = re.sub(r"/\*.*?\*/", " ", (NATIVE / "s3d8.h").read_text(), flags=re.S)
+    return "\n".join(re.search(rf"typedef struct {n} \{{.*?\}} {n};", text, flags=re.S).group(0) for n in names)
+
+
 CDEF = """
 typedef struct s3d8_variant { const char *name; ...; } s3d8_variant;
 int s3d8_variant_count(void);
@@ -79,33 +88,7 @@ int s3d8_encode_scaled(int v, int threads, size_t d_out, size_t d_in, const floa
 int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
 uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n);
-typedef struct s3d8_weight {
-    int kind;
-    size_t n, k;
-    const void *data;
-    const int8_t *table;
-    const uint16_t *scale;
-} s3d8_weight;
-typedef struct s3d8_layer {
-    const float *ln1, *ln2;
-    s3d8_weight q, k, v, o, gate, up, down;
-    float *k_cache, *v_cache;
-    size_t cache_len;
-    int cross, skip;
-    const float *q_norm, *bias;
-    float attn_gate, mlp_gate, mlp_row_mask;
-} s3d8_layer;
-typedef struct s3d8_decoder {
-    size_t n_layers, hidden, n_heads, n_kv_heads, head_dim;
-    float eps;
-    s3d8_layer *layers;
-    s3d8_weight embed, lm_head;
-    const float *norm;
-    const float *cos, *sin_rolled;
-    size_t rope_len;
-    void *work;
-    int stub_products;
-} s3d8_decoder;
+""" + header_structs("s3d8_weight", "s3d8_layer", "s3d8_decoder") + """
 size_t s3d8_decoder_work_bytes(const s3d8_decoder *d);
 int s3d8_decoder_check(const s3d8_decoder *d, size_t *where);
 int s3d8_decoder_step(int v, int threads, const s3d8_decoder *d, int64_t token, size_t pos,
