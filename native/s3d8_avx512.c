@@ -6,19 +6,22 @@
  *   sum (w + 128) * x = sum w * x + 128 * sum x,
  * and 128 * x_sum is subtracted once per output. Arithmetic wraps mod 2^32 as in the reference.
  *
- * m = 1 is bound by memory bandwidth: the packed matrix is walked row after row, one linear stream,
- * with a software prefetch ahead of the loads (one core cannot keep enough DRAM reads in flight
- * from the hardware prefetcher alone on these machines; see the project's perf notes). */
+ * m = 1 is bound by memory bandwidth: the packed matrix is read S3D8_STREAMS rows at a time (that
+ * many linear streams), with a software prefetch ahead of the loads: one core keeps too few DRAM
+ * reads in flight from one stream and the hardware prefetcher alone (README, "Generating with a packed model"). */
 #include <immintrin.h>
 #include <string.h>
 
 #include "s3d8.h"
 #include "s3d8_internal.h"
 
-/* Tuned on a Zen 4 VM (shared): 512 B ahead beat 1-4 KiB. Overridable with -D for experiments. */
+/* Prefetch distance per stream; overridable with -D for experiments. */
 #ifndef S3D8_PREFETCH_BYTES
 #define S3D8_PREFETCH_BYTES 512
 #define S3D8_PREFETCH_HINT _MM_HINT_T0
+#endif
+#ifndef S3D8_STREAMS /* packed rows read at once by the one-token product */
+#define S3D8_STREAMS 6
 #endif
 #ifndef QSI8_PREFETCH_BYTES
 #define QSI8_PREFETCH_BYTES 512
@@ -154,6 +157,39 @@ static inline __attribute__((always_inline)) void s3d8_group_tokens(
                 y[t * y_stride + j] = epilogue(acc[t][j], x_sum[t], x_scale[t], w_scale[j]);
 }
 
+/* One token times G packed rows (3G output channels) at once: G independent read streams, as the
+ * INT8 product reads several rows. G is a compile-time constant at each call. */
+static inline __attribute__((always_inline)) void s3d8_groups_token(
+    int G, size_t k16, const uint8_t *rows0, const int8_t *xq, __m512i l0, __m512i l1, __m512i l2,
+    const uint16_t *w_scale, float x_scale, int32_t x_sum, float *y) {
+    __m512i acc[S3D8_STREAMS][3], w[3];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 3; j++) acc[g][j] = _mm512_setzero_si512();
+    size_t c = 0;
+    for (; c + 64 <= k16; c += 64) {
+        __m512i xv = _mm512_loadu_si512(xq + c);
+        /* near a row's end, prefetch the start of the same stream's row in the next block (the
+         * bytes just past it are the next stream's, already on their way) */
+        size_t ahead = c + S3D8_PREFETCH_BYTES < k16 ? c + S3D8_PREFETCH_BYTES
+                                                     : c + S3D8_PREFETCH_BYTES + (size_t)(G - 1) * k16;
+        for (int g = 0; g < G; g++) {
+            const uint8_t *row = rows0 + g * k16;
+            _mm_prefetch((const char *)row + ahead, S3D8_PREFETCH_HINT);
+            decode64(_mm512_loadu_si512(row + c), l0, l1, l2, w);
+            for (int j = 0; j < 3; j++) acc[g][j] = _mm512_dpbusd_epi32(acc[g][j], w[j], xv);
+        }
+    }
+    if (c < k16) {
+        __m512i xv = _mm512_loadu_si512(xq + c);
+        for (int g = 0; g < G; g++) {
+            decode64(_mm512_maskz_loadu_epi8(tail_mask(k16 - c), rows0 + g * k16 + c), l0, l1, l2, w);
+            for (int j = 0; j < 3; j++) acc[g][j] = _mm512_dpbusd_epi32(acc[g][j], w[j], xv);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 3; j++) y[3 * g + j] = epilogue(acc[g][j], x_sum, x_scale, w_scale[3 * g + j]);
+}
+
 static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
                                const float *x_scale, const int32_t *x_sum, const uint8_t *packed,
                                const int8_t luts[192], const uint16_t *w_scale, float *y,
@@ -163,7 +199,12 @@ static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
     /* start the stream: the loop's prefetch runs S3D8_PREFETCH_BYTES ahead of the first loads */
     for (size_t b = 0; b < S3D8_PREFETCH_BYTES && b < S3D8_GROUPS(n) * k16; b += 64)
         _mm_prefetch((const char *)packed + b, S3D8_PREFETCH_HINT);
-    for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
+    size_t g = 0;
+    if (m == 1) /* whole groups of 3 channels, S3D8_STREAMS packed rows at a time */
+        for (; g + S3D8_STREAMS <= n / 3; g += S3D8_STREAMS)
+            s3d8_groups_token(S3D8_STREAMS, k16, packed + g * k16, xq, l0, l1, l2, w_scale + 3 * g,
+                              x_scale[0], x_sum[0], y + 3 * g);
+    for (; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
         for (size_t i = 0; i < m; i += 4) {
