@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from pipeline import formats, ptq
-from pipeline.formats import s3d8, scalar
+from pipeline.formats import numerics, s3d8, scalar
 
 KINDS = {
     "attention.self.query": "attn.q", "attention.self.key": "attn.k", "attention.self.value": "attn.v",
@@ -188,25 +188,25 @@ class PeakRSS:
 def cast(fmt_name: str, w: torch.Tensor, method: str, h_cal, seed: int, start=None, table=None):
     """``(decoded weight, extra)`` for one method: ``extra`` is the absmax table (``absmax``, S3D8), which
     the S3D8 searches start from instead of fitting it again, or what ``gptq`` reuses from ``search_w``.
-    Each decode equals ``formats.direct_cast`` of the method bit for bit (tests/test_ptq.py)."""
+    Each decode equals ``ptq.direct_cast`` of the method bit for bit (tests/test_ptq.py)."""
     fmt = formats.get(fmt_name)
     if method == "absmax":
-        t = ptq.pack(fmt_name, w, method="absmax", seed=seed)
+        t = ptq.pack(fmt, w, method="absmax", seed=seed)
         return fmt.unpack(t, w.shape), t.get("table")
     imp = None if method == "search" else ptq.check_importance(h_cal.diagonal(), w.shape[1])
     if method in ("search", "search_w"):
         if fmt_name == s3d8.NAME:
-            table, scale = ptq.s3d8_search(w, imp, seed=seed, table=table)
+            table, scale = s3d8.search(w, imp, seed=seed, table=table)
             packed, scale = s3d8.encode_with_scale(w, table, scale)
             return s3d8.decode(packed, scale, table, w.shape), (table, scale)
-        cp, scale = ptq.scalar_search(fmt, w, imp, seed=seed)
-        codes = ptq.scalar_pack_codes(ptq.scalar_codes(scalar.blocked(w, fmt.block), cp, scale), *w.shape)
+        cp, scale = scalar.search(fmt, w, imp, seed=seed)
+        codes = scalar.pack_codes(scalar.codes_at_scale(scalar.blocked(w, fmt.block), cp, scale), *w.shape)
         return fmt.unpack({"codes": codes, "scale": scale, "codepoints": cp}, w.shape), (cp, scale)
     hess = ptq.check_hessian(h_cal, w.shape[1])
     if fmt_name == s3d8.NAME:
-        packed, scale, table = ptq.s3d8_gptq(w, hess, seed=seed, start=start)
+        packed, scale, table = s3d8.gptq_pack(w, hess, seed=seed, start=start)
         return s3d8.decode(packed, scale, table, w.shape), None
-    codes, scale, cp = ptq.scalar_gptq(fmt, w, hess, seed=seed, start=start)
+    codes, scale, cp = scalar.gptq_pack(fmt, w, hess, seed=seed, start=start)
     return fmt.unpack({"codes": codes, "scale": scale, "codepoints": cp}, w.shape), None
 
 
@@ -219,7 +219,7 @@ def gaussian_reference(seed: int) -> dict:
     g = torch.randn(384, 512, generator=gen)
     out = {}
     for m in ("absmax", "search"):
-        q = formats.direct_cast("s3d8", g, method=m, seed=seed)
+        q = ptq.direct_cast(formats.get("s3d8"), g, method=m, seed=seed)
         out[f"s3d8_{m}"] = float((g - q).pow(2).sum() / g.pow(2).sum())
     x = torch.randn(60000, 3, generator=gen)
 
@@ -329,7 +329,7 @@ def main() -> None:
     result = {"model": MODELS[args.model]["title"], "model_key": args.model, "text": MODELS[args.model]["text"],
               "layers": args.layers,
               "sequences": args.sequences, "seed": args.seed, "threads": args.threads,
-              "default_method": ptq.DEFAULT_METHOD, "alphas": list(ptq.ALPHAS), "rounds": ptq.ROUNDS,
+              "default_method": ptq.DEFAULT_METHOD, "alphas": list(numerics.ALPHAS), "rounds": numerics.ROUNDS,
               "calibration_seconds": round(calib_s, 2), "gaussian_reference": reference,
               "kurtosis": kurtosis(state, args.layers),
               "summary": summary, "rows": rows,

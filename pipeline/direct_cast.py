@@ -61,7 +61,7 @@ def cast_group(fmt: FormatBase, names: list[str], weight, fitted, hessian, metho
     ``fitted(P)`` and ``hessian(P)`` give the teacher's weight, the fitted state and ``X^T X`` (or None)."""
     tensors = {}
     for name in names:
-        packed, master = ptq.cast(fmt.name, weight(name), method=method, hessian=hessian(name), fitted=fitted(name))
+        packed, master = ptq.cast(fmt, weight(name), method=method, hessian=hessian(name), fitted=fitted(name))
         tensors.update({f"{name}.{k}": v.contiguous() for k, v in packed.items()})
         tensors[f"{name}.master"] = master.contiguous()
         if on_matrix is not None:
@@ -128,4 +128,4 @@ class DirectCast:
         if master.shape != weight.shape:
             raise ValueError(f"{self.path / self.weight_map[name]}: {name} is {tuple(master.shape)}, "
                              f"the teacher's weight {tuple(weight.shape)}")
-        return master, ptq.state_of(self.fmt.name, tensors), tensors["scale"]
+        return master, self.fmt.state_of(tensors), tensors["scale"]

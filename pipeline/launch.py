@@ -40,6 +40,10 @@ class LaunchParams:
     gradient_checkpointing: bool = False       # qat-train: recompute activations in the backward pass
     teacher: Literal["replicate", "shard"] = "replicate"       # fsdp2: the frozen teacher whole on every rank, or sharded
 
+    def machines(self) -> int:
+        """The machines the run spans: the topology's ``num_machines``, 1 without one."""
+        return 1 if self.config_file is None else read_topology(self.config_file).num_machines
+
 
 @dataclass
 class Topology:
@@ -145,7 +149,7 @@ def plan_main(argv: list[str]) -> int:
                                              else args.config) if args.config else None
         phases = memory_plan.plan(p, config)
         gpu, host = memory_plan.memory_available(args.gpu_memory_gb, args.host_memory_gb)
-        per_node = p["launch"].num_processes // memory_plan._machines(p["launch"])
+        per_node = p["launch"].num_processes // p["launch"].machines()
     except (ParamsError, FileNotFoundError, ValueError) as e:
         print(f"launch plan: error: {e}", file=sys.stderr)
         return 1
@@ -174,7 +178,7 @@ def _memory_check(script: str, params_path: str, p: LaunchParams) -> None:
     if not phases:
         return
     gpu, host = memory_plan.memory_available()
-    problems = memory_plan.check(phases, gpu, host, p.num_processes // memory_plan._machines(p))
+    problems = memory_plan.check(phases, gpu, host, p.num_processes // p.machines())
     if problems:
         raise ValueError("the memory plan does not fit this machine (python -m pipeline.launch plan; "
                          "S3D8_MEMORY_CHECK=0 to start anyway): " + "; ".join(problems))

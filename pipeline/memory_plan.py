@@ -190,7 +190,7 @@ def plan(params: dict, config=None, counts: dict | None = None) -> list[Phase]:
     tb = 2 if params["teacher"].dtype == "bfloat16" else 4
     cb = 2 if launch.compute_dtype == "bfloat16" and launch.strategy == "fsdp2" else 4
     D = launch.num_processes
-    per_node = D // _machines(launch)
+    per_node = D // launch.machines()
     tiles = getattr(getattr(config, "vision_config", None), "max_num_tiles", 0) or 0
     n_layers = counts["text_self_layers"] + counts["text_cross_layers"]
     kv_width = 2 * sh["kv"] * sh["kv_heads"]             # a token's keys and values in one layer
@@ -227,13 +227,6 @@ def plan(params: dict, config=None, counts: dict | None = None) -> list[Phase]:
     phases.append(Phase("pack-safetensors", "largest matrix", host={"pack": host["pack"]}))
     phases.append(Phase("eval", "lazy load", host={"packed_model": per_node * host["load_lazy"]}))
     return phases
-
-
-def _machines(launch) -> int:
-    if launch.config_file is None:
-        return 1
-    from pipeline.launch import read_topology
-    return read_topology(launch.config_file).num_machines
 
 
 def memory_available(gpu_gb: float | None = None, host_gb: float | None = None) -> tuple[float | None, float]:

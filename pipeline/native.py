@@ -118,8 +118,8 @@ def _cpu_flags() -> set[str]:
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _FLAGS = _cpu_flags() if _X86 else set()
 _AMX = "amx_int8" in _FLAGS
-# torch._int_mm is fast only on oneDNN's VNNI / AMX kernels; elsewhere (an AVX2-only Zen 3 here) it runs at
-# about 1 GMAC/s, 10-50x below the library's INT8 kernel, so it is neither the default nor a tuning candidate.
+# torch._int_mm is fast only on oneDNN's VNNI / AMX kernels; elsewhere it takes a generic path far below the
+# library's INT8 kernel (README, "Kernels"), so it is neither the default nor a tuning candidate there.
 _INT_MM_FAST = bool(_FLAGS & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 

@@ -8,8 +8,7 @@ Times this library's S3D8, INT8 and bf16 products against torch's own paths (``p
 and writes ``reports/bench.json`` (the metrics: GMAC/s, ratios, GB/s), ``reports/bench_machine.json``
 (machine, load average, variant, versions, parameters), ``reports/bench.md`` and ``reports/bench.png``.
 
-``--generate`` instead runs the tokens/s benchmark (issue 15, ``pipeline.bench.generate``: every row a fresh
-process) and writes only its records to ``--out`` (default ``reports/bench_generate_records.json``):
+``--generate`` instead runs the tokens/s benchmark (``pipeline.bench.generate``: every row a fresh process) and writes only its records to ``--out`` (default ``reports/bench_generate_records.json``):
 ``{"records": [{model, format, impl, threads, prompt_tokens, new_tokens, prefill_tokens_per_s,
 decode_tokens_per_s, weight_bytes, peak_rss_mb}]}``. A row that fails is an error (exit 1), not a record.
 For the full report (read bandwidth, goals, .md, .png) run ``python -m pipeline.bench.generate``.
@@ -19,10 +18,10 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads OpenMP: idle OpenMP workers sleep instead of spinning. Measured here with one
-# other job on the 2 cores, S3D8 m = 1 on 2 threads: 7-10 GMAC/s spinning (a stalled barrier costs
-# a scheduler time slice) against 25-29 passive, stage and C bench alike; on 1 thread the same.
-# Set OMP_WAIT_POLICY in the environment to measure the other way; bench_machine.json records it.
+# Before torch loads OpenMP: idle OpenMP workers sleep instead of spinning, because with any other job on
+# the cores a spinning worker holds a core the stalled barrier waits for, a whole scheduler time slice
+# (README, "Kernels"). Set OMP_WAIT_POLICY in the environment to measure the other way; bench_machine.json
+# records it.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import argparse  # noqa: E402

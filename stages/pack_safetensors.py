@@ -20,7 +20,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from pipeline import formats, params, ptq
+from pipeline import formats, params
 from pipeline.checkpoint import CheckpointReader
 from pipeline.direct_cast import DirectCast
 from pipeline.fit import check_states
@@ -100,7 +100,7 @@ def qat_state(student_dir: str, fmt):
     def encode(name, weight, state):
         state = {k: saved.get(f"{name}.{k}", v) for k, v in state.items()}
         scale = saved.get(f"{name}.scale")
-        return fmt.pack(weight, state) if scale is None else ptq.pack_at_scale(fmt.name, weight, state, scale)
+        return fmt.pack(weight, state) if scale is None else fmt.pack_at_scale(weight, state, scale)
 
     return encode
 

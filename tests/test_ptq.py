@@ -7,7 +7,6 @@ import torch
 
 from pipeline import formats, ptq
 from pipeline.formats import s3d8, scalar
-from pipeline.quant import channel_scale
 
 
 def heavy(d_out: int, d_in: int, seed: int, dof: float = 3.0) -> torch.Tensor:
@@ -23,6 +22,10 @@ def correlated_inputs(n: int, d_in: int, seed: int) -> torch.Tensor:
     mix = torch.randn(d_in, d_in, generator=gen) / d_in ** 0.5 + torch.eye(d_in)
     gains = torch.rand(d_in, generator=gen) * 3 + 0.1
     return (torch.randn(n, d_in, generator=gen) @ mix) * gains
+
+
+def cast(name: str, w: torch.Tensor, **kw) -> torch.Tensor:
+    return ptq.direct_cast(formats.get(name), w, **kw)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -52,9 +55,9 @@ def test_encode_with_absmax_scale_equals_encode():
 @pytest.mark.parametrize("method", ["search", "gptq"])
 def test_s3d8_cast_is_its_packed_bytes_bit_for_bit(method):
     kw = {"hessian": H} if method == "gptq" else {}
-    t = ptq.pack("s3d8", W, method=method, **kw)
+    t = ptq.pack(formats.get("s3d8"), W, method=method, **kw)
     decoded = s3d8.decode(t["packed"], t["scale"], t["table"], W.shape)
-    assert torch.equal(bits(formats.direct_cast("s3d8", W, method=method, **kw)), bits(decoded))
+    assert torch.equal(bits(cast("s3d8", W, method=method, **kw)), bits(decoded))
     if method == "search":  # the bytes are the nearest-centroid codes for the searched scale
         packed, _ = s3d8.encode_with_scale(W, t["table"], t["scale"])
         assert torch.equal(packed.reshape(-1), t["packed"])
@@ -64,12 +67,12 @@ def test_s3d8_cast_is_its_packed_bytes_bit_for_bit(method):
 def test_absmax_cast_equals_the_qat_forward():
     for name in formats.QUANTISED:
         fmt = formats.get(name)
-        q = formats.direct_cast(name, W, method="absmax")
+        q = cast(name, W, method="absmax")
         assert torch.equal(q, fmt.quantize(W, fmt.fit(W))), name
     int8 = formats.get("int8")
-    assert torch.equal(formats.direct_cast("int8", W), int8.quantize(W, int8.fit(W)))
+    assert torch.equal(cast("int8", W), int8.quantize(W, int8.fit(W)))
     with pytest.raises(ValueError, match="method 'search'"):
-        formats.direct_cast("int8", W, method="search")
+        cast("int8", W, method="search")
 
 
 @pytest.mark.parametrize("name", ["int", "student_t", "lloyd_max"])
@@ -77,9 +80,9 @@ def test_absmax_cast_equals_the_qat_forward():
 def test_scalar_cast_is_its_packed_bytes_bit_for_bit(name, method):
     fmt = formats.get(name)
     kw = {"hessian": H} if method == "gptq" else {}
-    t = ptq.pack(name, W, method=method, **kw)
+    t = ptq.pack(formats.get(name), W, method=method, **kw)
     decoded = scalar.decode(t["codes"], t["scale"], t["codepoints"], fmt.block, W.shape)
-    assert torch.equal(bits(formats.direct_cast(name, W, method=method, **kw)), bits(decoded))
+    assert torch.equal(bits(cast(name, W, method=method, **kw)), bits(decoded))
     assert set(t) == set(fmt.packed_specs(W.shape, {}))
     for key, (dtype, shape) in fmt.packed_specs(W.shape, {}).items():
         assert t[key].dtype == dtype and tuple(t[key].shape) == shape, key
@@ -89,7 +92,7 @@ def test_scalar_codes_with_absmax_scale_equal_encode():
     fmt = formats.get("int")
     cp = fmt.fit(W)["codepoints"]
     codes, scale = scalar.encode(W, cp, fmt.block, fmt.qmax)
-    ours = ptq.scalar_pack_codes(ptq.scalar_codes(scalar.blocked(W, fmt.block), cp, scale), *W.shape)
+    ours = scalar.pack_codes(scalar.codes_at_scale(scalar.blocked(W, fmt.block), cp, scale), *W.shape)
     assert torch.equal(codes, ours)
 
 
@@ -100,14 +103,14 @@ def test_search_never_worse_than_absmax(seed):
     w = heavy(31 + seed, 48, seed=10 + seed, dof=2.0 + seed)
     imp = torch.rand(48, generator=torch.Generator().manual_seed(seed)) * 4
     for name in formats.QUANTISED:
-        base = formats.direct_cast(name, w, method="absmax")
-        assert rel(w, formats.direct_cast(name, w, method="search")) <= rel(w, base) + 1e-12, name
-        assert rel(w, formats.direct_cast(name, w, method="search", importance=imp), imp) <= rel(w, base, imp) + 1e-12
+        base = cast(name, w, method="absmax")
+        assert rel(w, cast(name, w, method="search")) <= rel(w, base) + 1e-12, name
+        assert rel(w, cast(name, w, method="search", importance=imp), imp) <= rel(w, base, imp) + 1e-12
 
 
 def test_search_helps_s3d8_on_heavy_tails():
     w = heavy(60, 96, seed=5, dof=2.0)
-    assert rel(w, formats.direct_cast("s3d8", w, method="search")) < 0.97 * rel(w, formats.direct_cast("s3d8", w, method="absmax"))
+    assert rel(w, cast("s3d8", w, method="search")) < 0.97 * rel(w, cast("s3d8", w, method="absmax"))
 
 
 # --- edge cases -------------------------------------------------------------------------------------
@@ -119,7 +122,7 @@ def test_zero_and_constant_rows():
     w[10] = 0.5                    # a constant row
     w[11] = -0.25
     for method in ("search", "gptq"):
-        t = ptq.pack("s3d8", w, method=method, hessian=H[:32, :32] if method == "gptq" else None)
+        t = ptq.pack(formats.get("s3d8"), w, method=method, hessian=H[:32, :32] if method == "gptq" else None)
         q = s3d8.decode(t["packed"], t["scale"], t["table"], w.shape)
         assert torch.isfinite(q).all() and bool((t["scale"].float() > 0).all())
         assert q[[2, 6, 7, 8]].abs().max() < 1e-30, method
@@ -127,7 +130,7 @@ def test_zero_and_constant_rows():
     for name in formats.QUANTISED:
         zero = torch.zeros(5, 20)
         for method in ("absmax", "search"):
-            q = formats.direct_cast(name, zero, method=method)
+            q = cast(name, zero, method=method)
             assert torch.isfinite(q).all() and (q.abs() < 1e-30).all() or method == "absmax", (name, method)
 
 
@@ -135,15 +138,15 @@ def test_nan_is_rejected_naming_the_argument():
     bad = W.clone()
     bad[3, 4] = float("nan")
     with pytest.raises(ValueError, match="weight"):
-        formats.direct_cast("s3d8", bad, method="search")
+        cast("s3d8", bad, method="search")
     imp = torch.ones(W.shape[1])
     imp[1] = float("nan")
     with pytest.raises(ValueError, match="importance"):
-        formats.direct_cast("s3d8", W, method="search", importance=imp)
+        cast("s3d8", W, method="search", importance=imp)
     h = H.clone()
     h[0, 1] = h[1, 0] = float("inf")
     with pytest.raises(ValueError, match="hessian"):
-        formats.direct_cast("s3d8", W, method="gptq", hessian=h)
+        cast("s3d8", W, method="gptq", hessian=h)
     scale = s3d8.weight_scale(W).clone()
     scale[0] = float("nan")
     with pytest.raises(ValueError, match="scale"):
@@ -151,17 +154,17 @@ def test_nan_is_rejected_naming_the_argument():
     with pytest.raises(ValueError, match="scale"):
         s3d8.encode_with_scale(W, s3d8.fit_centroids(W), torch.zeros(W.shape[0], 1))
     with pytest.raises(ValueError, match="importance"):
-        formats.direct_cast("int", W, importance=-torch.ones(W.shape[1]))
+        cast("int", W, importance=-torch.ones(W.shape[1]))
     with pytest.raises(ValueError, match="method"):
-        formats.direct_cast("s3d8", W, method="awq")
+        cast("s3d8", W, method="awq")
 
 
 def test_deterministic_for_a_seed():
     for name in ("s3d8", "lloyd_max"):
-        a = ptq.pack(name, W, method="search", seed=3)
-        b = ptq.pack(name, W, method="search", seed=3)
+        a = ptq.pack(formats.get(name), W, method="search", seed=3)
+        b = ptq.pack(formats.get(name), W, method="search", seed=3)
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    a, b = (formats.direct_cast("s3d8", W, method="gptq", hessian=H) for _ in range(2))
+    a, b = (cast("s3d8", W, method="gptq", hessian=H) for _ in range(2))
     assert torch.equal(a, b)
 
 
@@ -176,16 +179,16 @@ def test_gptq_lowers_the_output_error():
     x, held_out = correlated_inputs(2000, 64, seed=8).split(1000)     # calibration and held-out tokens
     h = x.T @ x / x.shape[0]
     for name in ("s3d8", "int"):
-        direct = output_error(w, formats.direct_cast(name, w, method="absmax"), held_out)
-        search = output_error(w, formats.direct_cast(name, w, method="search", importance=h.diagonal()), held_out)
-        gptq = output_error(w, formats.direct_cast(name, w, method="gptq", hessian=h), held_out)
+        direct = output_error(w, cast(name, w, method="absmax"), held_out)
+        search = output_error(w, cast(name, w, method="search", importance=h.diagonal()), held_out)
+        gptq = output_error(w, cast(name, w, method="gptq", hessian=h), held_out)
         assert gptq < 0.8 * direct and gptq < search, (name, direct, search, gptq)
 
 
 def test_gptq_with_the_diagonal_only_is_the_weighted_search():
     imp = H.diagonal().clone()
-    assert torch.equal(formats.direct_cast("s3d8", W, method="gptq", importance=imp),
-                       formats.direct_cast("s3d8", W, method="search", importance=imp))
+    assert torch.equal(cast("s3d8", W, method="gptq", importance=imp),
+                       cast("s3d8", W, method="search", importance=imp))
 
 
 # --- calibration ------------------------------------------------------------------------------------

@@ -104,32 +104,30 @@ def test_states_round_trip(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["s3d8", "int", "student_t", "lloyd_max"])
 def test_learned_scale_forward_is_what_the_packer_writes(fmt):
-    """The fake-quant forward at a trained scale equals unpacking ptq.pack_at_scale at its bf16 rounding, bit for
+    """The fake-quant forward at a trained scale equals unpacking fmt.pack_at_scale at its bf16 rounding, bit for
     bit; at the absmax scale it equals the format's own quantize; both the weight and the scale get gradients."""
-    from pipeline import ptq
     from pipeline.qat.modules import learned_scale, log2_scale, quantize_learned
 
     torch.manual_seed(0)
     w = (torch.randn(31, 200) * torch.rand(31, 1)).requires_grad_()
     state = formats.get(fmt).fit(w.detach())
-    absmax = ptq.absmax_scale(fmt, w.detach())
+    absmax = formats.get(fmt).absmax_scale(w.detach())
     assert torch.equal(learned_scale(log2_scale(absmax)), absmax)
-    assert torch.equal(quantize_learned(fmt, w.detach(), state, log2_scale(absmax)),
+    assert torch.equal(quantize_learned(formats.get(fmt), w.detach(), state, log2_scale(absmax)),
                        formats.get(fmt).quantize(w.detach(), state))
     scale = torch.nn.Parameter(log2_scale(absmax) - 0.37)
-    q = quantize_learned(fmt, w, state, scale)
-    packed = ptq.pack_at_scale(fmt, w, state, learned_scale(scale))
+    q = quantize_learned(formats.get(fmt), w, state, scale)
+    packed = formats.get(fmt).pack_at_scale(w, state, learned_scale(scale))
     assert torch.equal(q, formats.get(fmt).unpack(packed, tuple(w.shape)))
     q.pow(2).sum().backward()
     assert scale.grad is not None and scale.grad.abs().sum() > 0 and w.grad.abs().sum() > 0
 
 
 def test_prepare_with_scales_adds_a_parameter_outside_the_checkpoint_layout():
-    from pipeline import ptq
 
     torch.manual_seed(0)
     model = Tiny()
-    scales = {n: ptq.absmax_scale("s3d8", m.weight.detach()) for n, m in quantised_modules(model)}
+    scales = {n: formats.get("s3d8").absmax_scale(m.weight.detach()) for n, m in quantised_modules(model)}
     prepare(model, formats.get("s3d8"), fitted(model, "s3d8"), scales=scales)
     extra = set(model.state_dict()) - set(Tiny().state_dict())
     assert extra == {"proj.qat_log2_scale", "embed.qat_log2_scale"}
@@ -150,16 +148,16 @@ def test_ptq_start_is_the_direct_cast(fmt):
     x = torch.randn(64, 32)
     hessian = {"proj": x.T @ x / 64}
     states = {n: formats.get(fmt).fit(w) for n, w in teacher.items()}
-    start = lambda name, w: ptq.start(fmt, w, method="gptq", hessian=hessian.get(name))  # noqa: E731
+    start = lambda name, w: ptq.start(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))  # noqa: E731
     names = {}
     _quantise(model, formats.get(fmt), states, QATParams(init="ptq", learn_scales=True), start, names)
     assert names == {"embed": "embed.weight", "proj": "proj.weight"}
     for name, w in teacher.items():
-        want = ptq.direct_cast(fmt, w, method="gptq", hessian=hessian.get(name))
+        want = ptq.direct_cast(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))
         assert torch.equal(model.get_submodule(name).quantized_weight().detach(), want), name
         # the master is the weight the method rounded, not the decoded one (a cell centre QAT cannot leave)
         assert float((model.get_submodule(name).weight.detach() != want).float().mean()) > 0.9, name
-        tensors = ptq.pack(fmt, w, method="gptq", hessian=hessian.get(name))
+        tensors = ptq.pack(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))
         assert torch.equal(learned_scale(model.get_submodule(name).qat_log2_scale), tensors["scale"])
 
 
@@ -258,13 +256,12 @@ def test_qat_steps_give_the_same_bytes_at_one_thread_count(threads):
 
 def test_fake_quant_stays_fp32_under_autocast_and_bf16_inputs():
     """The quantiser and the learned scale run in float32 whatever the compute dtype; only the product is bf16."""
-    from pipeline import ptq
 
     torch.manual_seed(0)
     linear = nn.Linear(96, 48, bias=True)
     fmt = formats.get("s3d8")
     module = QuantLinear(linear, fmt, fmt.fit(linear.weight.detach()), act_quant=True,
-                         scale=ptq.absmax_scale("s3d8", linear.weight.detach()))
+                         scale=formats.get("s3d8").absmax_scale(linear.weight.detach()))
     want = module.quantized_weight()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = module.quantized_weight()
@@ -298,10 +295,10 @@ def test_tied_modules_get_one_post_training_start():
 
     def start(name, w):
         calls.append(name)
-        return ptq.start("s3d8", w, method="search")
+        return ptq.start(formats.get("s3d8"), w, method="search")
 
     _quantise(model, fmt, states, QATParams(init="ptq", learn_scales=True), start, {})
     assert len(calls) == len(set(calls)) == len(states)
     head, emb = model.lm_head, model.model.embed_tokens
     assert head.weight is emb.weight and torch.equal(head.qstate["table"], emb.qstate["table"])
-    assert torch.equal(head.quantized_weight(), ptq.direct_cast("s3d8", embed, method="search"))
+    assert torch.equal(head.quantized_weight(), ptq.direct_cast(formats.get("s3d8"), embed, method="search"))

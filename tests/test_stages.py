@@ -158,7 +158,7 @@ def test_qat_from_the_ptq_point_with_learned_scales_and_a_table_refit(chain, tmp
     is exactly those: its scales are the trained ones and its weights decode to the fake-quant forward."""
     import torch
 
-    from pipeline import formats, ptq
+    from pipeline import formats
     from pipeline.checkpoint import CheckpointReader
 
     cwd = workdir(tmp_path, teacher, **{"qat.init": "ptq", "qat.learn_scales": True, "qat.scale_lr": 1e-2,
@@ -181,7 +181,7 @@ def test_qat_from_the_ptq_point_with_learned_scales_and_a_table_refit(chain, tmp
         w = student.get(f"{name}.weight").float()
         tensors = {k: packed.get_tensor(f"{name}.weight.{k}") for k in fmt.suffixes}
         assert torch.equal(tensors["scale"], state[f"{name}.scale"]) and torch.equal(tensors["table"], state[f"{name}.table"])
-        want = fmt.unpack(ptq.pack_at_scale("s3d8", w, {"table": state[f"{name}.table"]}, state[f"{name}.scale"]),
+        want = fmt.unpack(fmt.pack_at_scale(w, {"table": state[f"{name}.table"]}, state[f"{name}.scale"]),
                           tuple(w.shape))
         assert torch.equal(fmt.unpack(tensors, tuple(w.shape)), want), name
 
@@ -300,11 +300,11 @@ def test_direct_cast_is_ptq_bit_for_bit_and_what_pack_and_qat_read(chain, teache
     assert len(cast.weight_map) > 10
     for name in cast.weight_map:
         w = teacher_w.get(f"{name}.weight").float()
-        want = ptq.pack("s3d8", w, method="gptq", hessian=hessians.get(name))
+        want = ptq.pack(fmt, w, method="gptq", hessian=hessians.get(name))
         got = cast.packed(name, w.shape)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
         assert all(torch.equal(packed.get_tensor(f"{name}.weight.{k}"), got[k]) for k in fmt.suffixes), name
-        master, state, scale = ptq.start("s3d8", w, method="gptq", hessian=hessians.get(name))
+        master, state, scale = ptq.start(fmt, w, method="gptq", hessian=hessians.get(name))
         m2, s2, sc2 = cast.start(name, w)
         assert torch.equal(master, m2) and torch.equal(scale, sc2) and torch.equal(state["table"], s2["table"]), name
     with pytest.raises(ValueError, match="pack.method is 'search'"):

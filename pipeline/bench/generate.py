@@ -11,8 +11,8 @@ Every row runs in a fresh subprocess (``--child``), so its peak RSS (``ru_maxrss
 alone. The prompt is 128 seeded random token ids, generation greedy with EOS ignored, after a warm-up
 with another prompt of the same length (2 new tokens; its seconds are ``warmup_s``): the native INT8
 products above 16 tokens tune their path on the first call of each size class (``native.TUNE``, which
-times torch's INT8 GEMM too: ~1 GMAC/s on an AVX2-only CPU), a one-off cost a timed prefill must not hold. Synthetic models (``pipeline.synthetic``) are written on first use
-under ``models/synthetic/``; the toy is the committed toy teacher packed to S3D8 (its own fitted tables).
+times torch's INT8 GEMM too, slow without VNNI), a one-off cost a timed prefill must not hold. Synthetic models
+(``pipeline.synthetic``) are written on first use under ``models/synthetic/``; the toy is the committed toy teacher packed to S3D8 (its own fitted tables).
 llama.cpp rows (``--llama-cpp``) need the optional extra (``pip install -r requirements-bench.txt``):
 the bf16 synthetic weights as GGUF, quantised by llama.cpp's own ``llama_model_quantize``; without
 the packages those rows are skipped with a message. Read bandwidth is measured for each thread count with

@@ -1,4 +1,4 @@
-"""A real teacher side by side with llama.cpp (issue 25, item 4): ``reports/real_model.{json,md,png}``.
+"""A real teacher side by side with llama.cpp: ``reports/real_model.{json,md,png}``.
 
 ``python -m pipeline.bench.real_model --teacher DIR [--teacher-data data/teacher] [--heldout 64] [--packed
 models/packed] [--types all|Q8_0,Q4_K_M,...] [--threads 1,2] [--out reports]``

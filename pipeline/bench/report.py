@@ -90,7 +90,7 @@ def markdown(records: list[dict], summary: dict, machine: dict, p: BenchParams) 
 
 
 def _targets(summary: dict, machine: dict) -> list[str]:
-    lines = ["## Targets (issue 3)", "", "| target | measured | met |", "| --- | --- | --- |"]
+    lines = ["## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
     for key, threshold, text in TARGETS:
         v = summary.get(key)
         lines.append(f"| {text} | {fmt_num(v) if v is None or v >= 10 else f'{v:.2f}'} | "

@@ -3,9 +3,11 @@
 Every format offers ``fit(weight, seed=0) -> state``, ``quantize(weight, state) -> Tensor`` (fake
 quantised, same shape and dtype, straight-through gradient), ``bits_per_param(shape)`` (nominal, as
 the paper counts) and ``storage_bytes(shape)`` (what the packed tensors really take); the formats of
-the paper's comparison also their packed tensors (``pack`` / ``unpack`` / ``packed_specs``) and their
-fitted-state file (``save_states`` / ``load_states``). Each format lives in its own module
-(``pipeline/formats/<name>.py``); adding one means writing that module and listing it here.
+the paper's comparison also their packed tensors (``pack`` / ``unpack`` / ``packed_specs``), their
+fitted-state file (``save_states`` / ``load_states``) and their post-training methods and scale rules
+(``search``, ``gptq``, ``pack_at_scale``, ``values_at_scale``, ``absmax_scale`` ...; ``pipeline.ptq`` calls
+them). Each format lives in its own module (``pipeline/formats/<name>.py``); adding one means writing that module
+and listing it here.
 """
 
 from __future__ import annotations
@@ -48,22 +50,7 @@ def packable() -> list[FormatBase]:
     return [f for f in _FORMATS.values() if f.layout is not None]
 
 
-def direct_cast(name: str, weight, *, method: str | None = None, importance=None, hessian=None, seed: int = 0):
-    """The decoded ``float32`` weight a packer writes for format ``name`` cast by the post-training
-    ``method`` (``"absmax"``, ``"search"``, ``"gptq"``; None: ``pipeline.ptq.DEFAULT_METHOD``), bit for bit.
-    ``importance`` (``diag(X^T X)`` per input channel) or ``hessian`` (``X^T X``) weight the error; see
-    ``pipeline.ptq``. ``get(name).quantize`` stays the QAT forward (absmax).
-
-    ``pipeline.ptq`` is imported by name at call time, so that the stages importing ``pipeline.formats``
-    do not all gain it as a DVC dependency (``pipeline.depgraph`` reads import statements): a stage that
-    calls ``direct_cast`` imports ``pipeline.ptq`` itself, which puts it in that stage's deps."""
-    import importlib
-
-    ptq = importlib.import_module("pipeline.ptq")
-    return ptq.direct_cast(name, weight, method=method, importance=importance, hessian=hessian, seed=seed)
-
-
-__all__ = ["Format", "FormatBase", "State", "get", "names", "comparison", "packable", "QUANTISED", "direct_cast"]
+__all__ = ["Format", "FormatBase", "State", "get", "names", "comparison", "packable", "QUANTISED"]
 
 
 def check_names(value) -> list[str]:

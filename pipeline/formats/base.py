@@ -108,6 +108,60 @@ class FormatBase:
         """Extra metadata a packed file of this format carries (e.g. an interoperability marker)."""
         return {}
 
+    # --- scales and post-training methods (the comparison formats override these) ----------------------
+    # ``pipeline.ptq`` calls them for the methods ``search`` and ``gptq`` and for the QAT start; the QAT forward
+    # at a learned scale (``pipeline.qat.modules``) uses ``values_at_scale`` and ``expand_scale``.
+
+    refits_state = False                  # ``refit_state`` refits the fitted state on trained weights (qat.refit_table)
+
+    def _no_ptq(self, what: str):
+        raise ValueError(f"format {self.name!r} has no {what} (only the comparison formats have)")
+
+    def absmax_scale(self, weight: torch.Tensor) -> torch.Tensor:
+        """The bf16 scale the format's own ``quantize`` derives from ``weight`` (per row ``[d_out, 1]`` or per
+        block ``[d_out, n_blocks]``)."""
+        self._no_ptq("scales")
+
+    def expand_scale(self, scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """``scale`` (as :meth:`absmax_scale` lays it out) broadcast to one value per weight, ``[d_out, d_in]``."""
+        self._no_ptq("scales")
+
+    def state_of(self, tensors: dict[str, torch.Tensor]) -> State:
+        """The quantiser state (the fitted part) that packed ``tensors`` were written with."""
+        self._no_ptq("post-training methods")
+
+    def pack_at_scale(self, weight: torch.Tensor, state: State, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The packed tensors of ``weight`` with quantiser ``state`` and bf16 ``scale`` (codes: nearest table entry
+        or code point of the weight over its scale, no clamping)."""
+        self._no_ptq("post-training methods")
+
+    def values_at_scale(self, weight: torch.Tensor, state: State, scale: torch.Tensor) -> torch.Tensor:
+        """``unpack(pack_at_scale(...)) / scale``: each weight's code value in units of its scale, float32
+        ``[d_out, d_in]``; times ``expand_scale(scale)`` it is the decoded weight, bit for bit."""
+        self._no_ptq("post-training methods")
+
+    def search(self, weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
+               fitted: State | None = None) -> tuple[State, torch.Tensor]:
+        """The ``search`` method: ``(state, scale)`` minimising the ``importance``-weighted reconstruction error,
+        starting from ``fitted`` (``fit(weight, seed)``'s state; fitted here when None)."""
+        self._no_ptq("post-training methods")
+
+    def gptq(self, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, fitted: State | None = None,
+             compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The ``gptq`` method: packed tensors by error feedback through ``hessian`` on top of the search's start;
+        ``compensated`` (float32 ``[d_out, d_in]``) receives the error-compensated weights it rounded."""
+        self._no_ptq("post-training methods")
+
+    def whole_codes(self, same: torch.Tensor) -> torch.Tensor:
+        """Given where a weight's own code is kept (bool ``[d_out, d_in]``), where it can be: a format whose
+        weights share codes keeps all of a code's weights or none."""
+        return same
+
+    def refit_state(self, weight: torch.Tensor, scale: torch.Tensor, importance: torch.Tensor,
+                    state: State) -> State:
+        """The state refitted on ``weight`` over ``scale`` (``refits_state`` formats)."""
+        self._no_ptq("state refit")
+
     # --- fitted states of a whole model ---------------------------------------------------------------
 
     def save_states(self, path, states: dict[str, State], metadata: dict | None = None) -> None:

@@ -17,6 +17,7 @@ class LloydMax(Scalar6):
     label = "lloyd-max"
     block = None
     qmax = 1.0
+    refit_codepoints = True
     MAX_SAMPLES = 2 ** 22
 
     def fit(self, weight: torch.Tensor, seed: int = 0) -> State:

@@ -17,9 +17,11 @@ import warnings
 import torch
 
 from pipeline import layout
+from pipeline.formats import numerics
 from pipeline.formats.base import FormatBase, PackedSpecs, State, ceil_div, check_shape, check_weight
+from pipeline.formats.numerics import SMALLEST_SCALE
 from pipeline.layout import GROUP, N_CENTROIDS, TABLE_SHAPE
-from pipeline.quant import straight_through
+from pipeline.quant import INT8_MAX, straight_through
 
 NAME = "s3d8"
 TABLE_BYTES = N_CENTROIDS * GROUP
@@ -111,8 +113,6 @@ def _iter_assign(weight, table, scale):
         yield g0, q, v < 0
 
 
-SMALLEST_SCALE = 2.0 ** -126
-"""The smallest normal float (exact in bf16): the scale of an all-zero row (SPEC section 1), so it decodes to ~0."""
 
 
 def weight_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -373,6 +373,168 @@ def fit_centroids(weight: torch.Tensor, *, seed: int = 0, max_vectors: int = 2 *
     return centroids.round().clamp(0, 127).to(torch.int8)
 
 
+# --- post-training methods (``pipeline.ptq`` chooses one): the scale search and GPTQ's grouping ------------
+
+def _group_error(err_rows: torch.Tensor) -> torch.Tensor:
+    """Per-row errors ``[d_out]`` summed over the 3-row byte groups ``[ceil(d_out/3)]`` (float64)."""
+    e = err_rows.double()
+    pad = (-e.numel()) % GROUP
+    return torch.nn.functional.pad(e, (0, pad)).view(-1, GROUP).sum(1)
+
+
+def _rows_of_groups(mask: torch.Tensor, d_out: int) -> torch.Tensor:
+    return mask.repeat_interleave(GROUP)[:d_out]
+
+
+def _row_errors(w: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, h: torch.Tensor):
+    """Decoded weight and weighted squared error per row for codes chosen at ``scale``."""
+    q = quantize_with_scale(w, table, scale)
+    return q, ((w - q) ** 2 * h).sum(1)
+
+
+def search_scales(w: torch.Tensor, table: torch.Tensor, h: torch.Tensor,
+                  start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row bf16 scales ``[d_out, 1]`` minimising each 3-row group's weighted error for ``table``
+    (grid over ``numerics.ALPHAS`` with a common alpha per group, then ``numerics.LS_STEPS`` least-squares steps
+    per row), and the group errors. ``start`` (e.g. the previous round's scales) is one more candidate."""
+    d_out = w.shape[0]
+    absmax = w.abs().amax(1, keepdim=True)
+    best_scale, best = None, None
+    candidates = [numerics.bf16_scale(a * absmax / INT8_MAX) for a in numerics.ALPHAS]
+    # a clip at kappa weighted-RMS of the row: one kappa per group clips an outlier row hard and leaves its
+    # Gaussian neighbours (absmax ~ 3-4 RMS) alone, which no common fraction of absmax can do
+    rms = ((w * w * h).sum(1, keepdim=True) / h.sum().clamp(min=1e-30)).sqrt()
+    candidates += [numerics.bf16_scale(torch.minimum(absmax, k * rms) / INT8_MAX) for k in numerics.KAPPAS]
+    if start is not None:
+        candidates.append(start)
+    for step in range(1 + numerics.LS_STEPS):
+        for cand in candidates:
+            _, err = _row_errors(w, table, cand, h)
+            g = _group_error(err)
+            if best is None:
+                best_scale, best = cand.clone(), g
+                continue
+            better = _rows_of_groups(g < best, d_out)
+            best_scale = torch.where(better[:, None], cand, best_scale)
+            best = torch.minimum(best, g)
+        if step == numerics.LS_STEPS:
+            break
+        # least squares given the codes at the current best scales: s = <w, t>_h / <t, t>_h per row
+        q, _ = _row_errors(w, table, best_scale, h)
+        t = q / best_scale.float()          # the signed table values (exact: q = t * scale)
+        candidates = [numerics.least_squares_scale(w, t, h, best_scale, keepdim=True)]
+    return best_scale, best
+
+
+def _normalised_sample(w: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, max_vectors: int, seed: int):
+    """Absolute normalised 3-vectors ``[N, 3]`` (float32) and their weights ``h[column]`` (a seeded
+    sample of at most ``max_vectors``; the padding rows count as zeros, padding columns are left out)."""
+    d_out, d_in = w.shape
+    n_groups = ceil_div(d_out, GROUP)
+    total = n_groups * d_in
+    if total <= max_vectors:
+        index = torch.arange(total)
+    else:
+        index = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_vectors].sort().values
+    g, k = index // d_in, index % d_in
+    cols = []
+    for j in range(GROUP):
+        rows = g * GROUP + j
+        valid = rows < d_out
+        rows = rows.clamp(max=d_out - 1)
+        vals = w[rows, k] / scale[rows, 0].float()
+        cols.append(torch.where(valid, vals, torch.zeros_like(vals)).abs())
+    return torch.stack(cols, 1), h[k].double()
+
+
+def refit_table(w: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, table: torch.Tensor, *, seed: int = 0,
+                max_vectors: int = numerics.KMEANS_VECTORS, tol: float = 1e-3, max_iter: int = 15) -> torch.Tensor:
+    """Weighted Lloyd-Max (k-means) of the table on ``|W / scale|``, warm-started from ``table``;
+    a vector in column k weighs ``h[k]``. Rounded and clamped to the int8 table's [0, 127]."""
+    a, wt = _normalised_sample(w, scale, h, max_vectors, seed)
+    a64, a_t = a.double(), a.T.contiguous()
+    c = table.double().clone()
+    assign = None
+    for _ in range(max_iter):
+        new = _nearest_columns(a_t, c.float())
+        changed = a.shape[0] if assign is None else int((new != assign).sum())
+        assign = new
+        mass = torch.zeros(N_CENTROIDS, dtype=torch.float64).index_add_(0, assign, wt)
+        sums = torch.zeros(N_CENTROIDS, GROUP, dtype=torch.float64).index_add_(0, assign, a64 * wt[:, None])
+        filled = mass > 0
+        c[filled] = sums[filled] / mass[filled, None]
+        if changed <= tol * a.shape[0]:
+            break
+    return c.round().clamp(0, 127).to(torch.int8)
+
+
+def search(weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
+                rounds: int = numerics.ROUNDS, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``search`` post-training method (``pipeline.ptq``): ``(table int8 [32, 3], scale bf16 [d_out, 1])``.
+    ``table``: the absmax table ``fit_centroids(weight, seed=seed)`` when already at hand (it is fitted otherwise)."""
+    w = weight.detach().float()
+    h = numerics.weights(importance, w.shape[1])
+    table = fit_centroids(weight, seed=seed) if table is None else check_table(table)
+    absmax_scale = weight_scale(w)
+    _, err = _row_errors(w, table, absmax_scale, h)
+    best = (float(err.double().sum()), table, absmax_scale)
+    scale = None
+    for r in range(rounds):
+        scale, g = search_scales(w, table, h, start=scale)
+        total = float(g.sum())
+        if total < best[0]:
+            best = (total, table, scale)
+        if r + 1 < rounds:
+            table = refit_table(w, scale, h, table, seed=seed)
+    return best[1], best[2]
+
+
+def gptq_pack(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None,
+              compensated: torch.Tensor | None = None):
+    """The ``gptq`` post-training method: ``(packed, scale bf16 [d_out, 1], table)``. ``start``: the
+    ``(table, scale)`` of ``search(weight, diag(hessian), seed=seed)`` when already at hand.
+    ``compensated`` (float32 ``[d_out, d_in]``) receives the error-compensated weights GPTQ quantised, rescaled
+    with the refitted row scales (so their nearest codes are the result's, up to rounding)."""
+    w = weight.detach().float()
+    d_out, d_in = w.shape
+    table, scale = search(w, hessian.diagonal(), seed=seed) if start is None else start
+    n_groups, d_in_padded = packed_shape(w.shape)
+    t = table.float()
+    sf = torch.ones(n_groups * GROUP)
+    sf[:d_out] = scale.float().reshape(-1)
+    codes = torch.empty(n_groups, d_in_padded, dtype=torch.int64)
+    signs = torch.zeros(n_groups, d_in_padded, GROUP, dtype=torch.bool)
+    # padding columns hold zeros, as encode() writes them
+    codes[:, d_in:] = nearest_centroid(torch.zeros(1, GROUP), table)[0]
+
+    def quant_col(k: int, col: torch.Tensor) -> torch.Tensor:
+        v = torch.zeros(n_groups * GROUP)
+        v[:d_out] = col
+        v = (v / sf).view(n_groups, GROUP)
+        q = _nearest_columns(v.abs().T.contiguous(), table)
+        neg = v < 0
+        codes[:, k], signs[:, k] = q, neg
+        if compensated is not None:
+            compensated[:, k] = col
+        mag = t[q]
+        return (torch.where(neg & (mag != 0), -mag, mag).reshape(-1) * sf)[:d_out]
+
+    numerics.gptq(w, hessian, quant_col)
+    packed = pack_codes(codes, signs)
+    # refit each row's scale for the output error, codes kept: s = (w H t) / (t H t)
+    ti = decode_int8(packed, table, (d_out, d_in)).double()
+    hd = hessian.double()
+    num, den = ((w.double() @ hd) * ti).sum(1), ((ti @ hd) * ti).sum(1)
+    cur = scale.double().reshape(-1)
+    new = numerics.bf16_scale(torch.where(den > 0, num / den.clamp(min=1e-300), cur)).double().reshape(-1)
+    err = lambda s: s * s * den - 2 * s * num       # noqa: E731 (the constant w H w^T left out)
+    scale = torch.where((err(new) < err(cur))[:, None], new.to(torch.bfloat16)[:, None], scale)
+    if compensated is not None:
+        compensated.mul_(scale.float() / cur.float()[:, None])
+    return packed, scale, table
+
+
+
 LAYOUT = layout.NAME
 """The packed layout of SPEC section 7, readable by the Llama-Mobile reference loader."""
 
@@ -424,6 +586,53 @@ class S3D8(FormatBase):
         g0, g1 = r0 // GROUP, ceil_div(r1, GROUP)
         return ({"packed": tensors["packed"].reshape(-1)[g0 * cols:g1 * cols], "scale": tensors["scale"][r0:r1],
                  "table": tensors["table"]}, (r1 - r0, shape[1]))
+
+    # --- scales, post-training methods, the QAT forward at a learned scale (see FormatBase) --------------
+
+    refits_state = True
+
+    def absmax_scale(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight_scale(weight)
+
+    def expand_scale(self, scale: torch.Tensor, shape) -> torch.Tensor:
+        d_out, d_in = shape
+        return scale.reshape(d_out, 1).expand(d_out, d_in)
+
+    def state_of(self, tensors: dict[str, torch.Tensor]) -> State:
+        return {"table": tensors["table"]}
+
+    def pack_at_scale(self, weight: torch.Tensor, state: State, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        check_weight(weight)
+        w = weight.detach().float()
+        packed, scale = encode_auto(w, state["table"], check_scale(scale, w.shape[0]))
+        return {"packed": packed.reshape(-1), "scale": scale, "table": check_table(state["table"])}
+
+    def values_at_scale(self, weight: torch.Tensor, state: State, scale: torch.Tensor) -> torch.Tensor:
+        w = weight.detach().float()
+        packed = self.pack_at_scale(w, state, scale)["packed"]
+        return decode_int8_auto(packed, state["table"], tuple(w.shape)).float()
+
+    def search(self, weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
+               fitted: State | None = None) -> tuple[State, torch.Tensor]:
+        table, scale = search(weight, importance, seed=seed, table=None if fitted is None else fitted["table"])
+        return {"table": table}, scale
+
+    def gptq(self, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, fitted: State | None = None,
+             compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        start = search(weight, hessian.diagonal(), seed=seed, table=None if fitted is None else fitted["table"])
+        packed, scale, table = gptq_pack(weight, hessian, seed=seed, start=start, compensated=compensated)
+        return {"packed": packed.reshape(-1), "scale": scale, "table": table}
+
+    def whole_codes(self, same: torch.Tensor) -> torch.Tensor:
+        """A byte's three weights share their code: all of them or none."""
+        d_out, d_in = same.shape
+        rows = ceil_div(d_out, GROUP) * GROUP
+        groups = torch.nn.functional.pad(same, (0, 0, 0, rows - d_out), value=True)
+        return groups.view(-1, GROUP, d_in).all(1).repeat_interleave(GROUP, 0)[:d_out]
+
+    def refit_state(self, weight: torch.Tensor, scale: torch.Tensor, importance: torch.Tensor,
+                    state: State) -> State:
+        return {"table": refit_table(weight, scale, importance, state["table"])}
 
     def native_linear(self, tensors: dict[str, torch.Tensor], shape, bias: torch.Tensor | None):
         """An ``nn.Module`` running the packed bytes on the native kernels (INT8 activations per token)."""

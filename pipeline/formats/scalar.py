@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from pipeline.formats import numerics
 from pipeline.formats.base import LOG2_6, FormatBase, PackedSpecs, State, ceil_div, check_shape, check_weight
 from pipeline.quant import channel_scale, straight_through
 
@@ -153,6 +154,105 @@ def lloyd_max_1d(values: torch.Tensor, weights: torch.Tensor | None = None, *, l
     return code
 
 
+# --- post-training methods (``pipeline.ptq`` chooses one): the scale search and GPTQ's grouping ------------
+
+def _parts(fmt, weight: torch.Tensor, h: torch.Tensor):
+    w = blocked(weight.detach().float(), fmt.block)                       # [d_out, nb, B]
+    hb = blocked(h[None, :], fmt.block)[0]                                # [nb, B], padding 0
+    return w, hb
+
+
+def codes_at_scale(w_blocked: torch.Tensor, codepoints: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Nearest code per weight for given block scales (bf16 ``[d_out, nb]``), as ``encode``."""
+    return nearest_code(w_blocked / scale.float()[..., None], codepoints)
+
+
+def pack_codes(codes: torch.Tensor, d_out: int, d_in: int) -> torch.Tensor:
+    """Codes ``[d_out, nb, B]`` (or ``[d_out, d_in]``) to the base-6 bytes of ``encode``."""
+    flat = codes.reshape(d_out, -1)[:, :d_in].reshape(-1)
+    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 3)).view(-1, 3)
+    return (flat[:, 0] + 6 * flat[:, 1] + 36 * flat[:, 2]).to(torch.uint8)
+
+
+def search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
+                  rounds: int = numerics.ROUNDS, codepoints: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``search`` method for a 6-level format: ``(codepoints, scale bf16 [d_out, n_blocks])``.
+    ``codepoints``: ``fmt.fit(weight, seed=seed)``'s when already at hand (fitted otherwise).
+
+    Per block: the clipping grid, then least squares, each block keeping its best candidate; lloyd-max
+    (``block is None``, code points fitted to the data) also refits its code points, weighted, on the
+    searched normalisation, alternating ``rounds`` times."""
+    w, hb = _parts(fmt, weight, numerics.weights(importance, weight.shape[1]))
+    codepoints = (fmt.fit(weight, seed=seed)["codepoints"] if codepoints is None else codepoints).float()
+    absmax = w.abs().amax(-1)
+
+    def block_err(cp, scale):
+        c = codes_at_scale(w, cp, scale)
+        return ((w - cp[c] * scale.float()[..., None]) ** 2 * hb).sum(-1), c
+
+    base_scale = channel_scale(w, fmt.qmax).squeeze(-1)
+    e0, _ = block_err(codepoints, base_scale)
+    best_total = (float(e0.double().sum()), codepoints, base_scale)
+    refit = fmt.refit_codepoints
+    scale = None
+    for r in range(rounds if refit else 1):
+        candidates = [numerics.bf16_scale(a * absmax / fmt.qmax) for a in numerics.ALPHAS] + ([scale] if scale is not None else [])
+        best_s, best_e = None, None
+        for step in range(1 + numerics.LS_STEPS):
+            for cand in candidates:
+                e, _ = block_err(codepoints, cand)
+                if best_e is None:
+                    best_s, best_e = cand.clone(), e
+                    continue
+                better = e < best_e
+                best_s = torch.where(better, cand, best_s)
+                best_e = torch.minimum(best_e, e)
+            if step == numerics.LS_STEPS:
+                break
+            _, c = block_err(codepoints, best_s)
+            t = codepoints[c]
+            candidates = [numerics.least_squares_scale(w, t, hb, best_s)]
+        scale = best_s
+        total = float(best_e.double().sum())
+        if total < best_total[0]:
+            best_total = (total, codepoints, scale)
+        if refit and r + 1 < rounds:
+            u = (w / scale.float()[..., None]).reshape(-1)
+            wt = hb.expand_as(w).reshape(-1)
+            keep = wt > 0
+            u, wt = u[keep], wt[keep]
+            if u.numel() > numerics.KMEANS_VECTORS:
+                idx = torch.randperm(u.numel(), generator=torch.Generator().manual_seed(seed))[:numerics.KMEANS_VECTORS]
+                u, wt = u[idx], wt[idx]
+            codepoints = lloyd_max_1d(u, wt)
+    return best_total[1], best_total[2]
+
+
+def gptq_pack(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None,
+                compensated: torch.Tensor | None = None):
+    """The ``gptq`` method for a 6-level format: ``(codes uint8, scale, codepoints)``. ``start``: the
+    ``(codepoints, scale)`` of ``search(fmt, weight, diag(hessian), seed=seed)`` when at hand.
+    ``compensated`` receives the error-compensated weights GPTQ quantised."""
+    w = weight.detach().float()
+    d_out, d_in = w.shape
+    codepoints, scale = search(fmt, w, hessian.diagonal(), seed=seed) if start is None else start
+    block = fmt.block or d_in
+    sf = scale.float()
+    codes = torch.zeros(d_out, d_in, dtype=torch.int64)
+
+    def quant_col(k: int, col: torch.Tensor) -> torch.Tensor:
+        s = sf[:, k // block]
+        c = nearest_code(col / s, codepoints)
+        codes[:, k] = c
+        if compensated is not None:
+            compensated[:, k] = col
+        return codepoints[c] * s
+
+    numerics.gptq(w, hessian, quant_col)
+    return pack_codes(codes, d_out, d_in), scale, codepoints
+
+
+
 LAYOUT = "s3d8-pipeline-scalar6-v1"
 """Our packed layout of the 6-level formats (README, "Packed files")."""
 
@@ -192,6 +292,49 @@ class Scalar6(FormatBase):
 
     def unpack(self, tensors: dict[str, torch.Tensor], shape) -> torch.Tensor:
         return decode(tensors["codes"], tensors["scale"], tensors["codepoints"], self.block, shape)
+
+    # --- scales, post-training methods, the QAT forward at a learned scale (see FormatBase) --------------
+
+    refit_codepoints = False              # the search refits the code points too (lloyd-max: fitted to data)
+
+    def absmax_scale(self, weight: torch.Tensor) -> torch.Tensor:
+        return block_scales(weight, self.block, self.qmax)
+
+    def expand_scale(self, scale: torch.Tensor, shape) -> torch.Tensor:
+        d_in = shape[1]
+        return scale.repeat_interleave(self.block or d_in, dim=1)[:, :d_in]
+
+    def state_of(self, tensors: dict[str, torch.Tensor]) -> State:
+        return {"codepoints": tensors["codepoints"]}
+
+    def pack_at_scale(self, weight: torch.Tensor, state: State, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        check_weight(weight)
+        w = weight.detach().float()
+        d_out, d_in = w.shape
+        cp = state["codepoints"].float()
+        scale = scale.detach().to(torch.bfloat16)
+        codes = codes_at_scale(blocked(w, self.block), cp, scale)
+        return {"codes": pack_codes(codes, d_out, d_in), "scale": scale, "codepoints": cp}
+
+    def values_at_scale(self, weight: torch.Tensor, state: State, scale: torch.Tensor) -> torch.Tensor:
+        w = weight.detach().float()
+        d_out, d_in = w.shape
+        cp = state["codepoints"].float().to(w.device)
+        codes = codes_at_scale(blocked(w, self.block), cp, scale.detach().to(torch.bfloat16))
+        return cp[codes].reshape(d_out, -1)[:, :d_in]
+
+    def search(self, weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
+               fitted: State | None = None) -> tuple[State, torch.Tensor]:
+        codepoints, scale = search(self, weight, importance, seed=seed,
+                                   codepoints=None if fitted is None else fitted["codepoints"])
+        return {"codepoints": codepoints}, scale
+
+    def gptq(self, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, fitted: State | None = None,
+             compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        start = search(self, weight, hessian.diagonal(), seed=seed,
+                       codepoints=None if fitted is None else fitted["codepoints"])
+        codes, scale, codepoints = gptq_pack(self, weight, hessian, seed=seed, start=start, compensated=compensated)
+        return {"codes": codes, "scale": scale, "codepoints": codepoints}
 
     def row_block(self, tensors, shape, r0: int, r1: int):
         d_in = shape[1]

@@ -6,7 +6,7 @@ the master, and a straight-through gradient. Linear inputs go through the INT8 a
 when ``act_quant`` is on.
 
 With learned scales (``qat.learn_scales``) the scale is a parameter of its own, ``<module>.qat_log2_scale``
-(float32 ``log2`` of the scale, as ``ptq.absmax_scale`` lays it out: per row for S3D8, per block for a
+(float32 ``log2`` of the scale, as ``fmt.absmax_scale`` lays it out: per row for S3D8, per block for a
 6-level format; in the log domain an optimizer step changes every scale by the same ratio, whatever its
 magnitude, and a scale never reaches 0), used as ``bf16(2^p)``, exactly what the packed file stores; the
 codes are the nearest centroid / code point of the master over that scale, and the gradient is LSQ's
@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline import ptq
 from pipeline.formats import FormatBase, State
 from pipeline.quant import fake_quant_activations
 from pipeline.recipe import Quantised
@@ -38,14 +37,14 @@ def log2_scale(scale: torch.Tensor) -> torch.Tensor:
     return torch.log2(scale.detach().float())
 
 
-def quantize_learned(name: str, weight: torch.Tensor, state: State, log2: torch.Tensor) -> torch.Tensor:
+def quantize_learned(fmt: FormatBase, weight: torch.Tensor, state: State, log2: torch.Tensor) -> torch.Tensor:
     """Fake-quantised ``weight`` at a trained scale ``2^log2`` (used as ``learned_scale(log2)``): equal bit for
-    bit to unpacking ``ptq.pack_at_scale(name, weight, state, learned_scale(log2))``, with LSQ's gradients to
+    bit to unpacking ``fmt.pack_at_scale(weight, state, learned_scale(log2))``, with LSQ's gradients to
     the weight and the scale."""
     s16 = learned_scale(log2)
-    t = ptq.values_at_scale(name, weight, state, s16)        # the codes' values, no gradient
-    q = t * ptq.expand_scale(name, s16.float(), weight.shape)
-    return _LSQ.apply(weight, ptq.expand_scale(name, log2, weight.shape), q.to(weight.dtype))
+    t = fmt.values_at_scale(weight, state, s16)        # the codes' values, no gradient
+    q = t * fmt.expand_scale(s16.float(), weight.shape)
+    return _LSQ.apply(weight, fmt.expand_scale(log2, weight.shape), q.to(weight.dtype))
 
 
 class _LSQ(torch.autograd.Function):
@@ -85,7 +84,7 @@ class _FakeQuant(Quantised):
             weight = self.weight.float()
             if self.qat_log2_scale is None:
                 return self.format.quantize(weight, self.qstate)
-            return quantize_learned(self.format.name, weight, self.qstate, self.qat_log2_scale.float())
+            return quantize_learned(self.format, weight, self.qstate, self.qat_log2_scale.float())
 
 
 class QuantLinear(_FakeQuant):

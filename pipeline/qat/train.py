@@ -30,8 +30,7 @@ from typing import Callable, Literal
 
 import torch
 
-from pipeline import ptq
-from pipeline.formats import FormatBase, s3d8
+from pipeline.formats import FormatBase
 from pipeline.io import atomic_dir
 from pipeline.launch import LaunchParams, resolve_backend
 from pipeline.launch import settings as launch_settings
@@ -445,7 +444,7 @@ def _quantise(model, fmt: FormatBase, states: dict, p: QATParams, start: Start |
                 bar.advance(task)
     scales = None
     if p.learn_scales:
-        scales = {n: started[n] if n in started else ptq.absmax_scale(fmt.name, model.get_submodule(n).weight.detach())
+        scales = {n: started[n] if n in started else fmt.absmax_scale(model.get_submodule(n).weight.detach())
                   for n in mapping}
     prepare(model, fmt, by_module, act_quant=p.act_quant, scales=scales)
 
@@ -465,7 +464,7 @@ def _quantiser_state(fmt: FormatBase, p: QATParams, names: dict, weights: dict, 
     the refit: each table refitted by weighted k-means on the trained weights over their scales, kept where it
     lowers the (importance-weighted) reconstruction error."""
     tensors, refit = {}, None
-    if p.refit_table and fmt.name == s3d8.NAME:
+    if p.refit_table and fmt.refits_state:
         refit = {"matrices": 0, "improved": 0, "error_before": 0.0, "error_after": 0.0}
     for module, m in modules.items():
         key = names[module].removesuffix(".weight")
@@ -475,14 +474,15 @@ def _quantiser_state(fmt: FormatBase, p: QATParams, names: dict, weights: dict, 
         if refit is not None:
             h = importance(key) if importance is not None else None
             h = torch.ones(w.shape[1]) if h is None else h.float()
-            s = scale if scale is not None else s3d8.weight_scale(w)
-            err = lambda t: float((((w - s3d8.quantize_with_scale(w, t, s)) ** 2) * h).double().sum())  # noqa: E731
-            new = ptq.refit_table(w, s, h, state["table"])
-            before, after = err(state["table"]), err(new)
+            s = scale if scale is not None else fmt.absmax_scale(w)
+            err = lambda st: float((((w - fmt.values_at_scale(w, st, s) * fmt.expand_scale(s.float(), w.shape)) ** 2)  # noqa: E731
+                                    * h).double().sum())
+            new = fmt.refit_state(w, s, h, state)
+            before, after = err(state), err(new)
             refit["matrices"] += 1
             refit["error_before"] += before
             if after < before:
-                state, refit["improved"] = {"table": new}, refit["improved"] + 1
+                state, refit["improved"] = new, refit["improved"] + 1
             refit["error_after"] += min(before, after)
         for k, v in state.items():
             tensors[f"{key}.{k}"] = v.contiguous()

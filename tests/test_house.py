@@ -1,0 +1,109 @@
+"""The shape of the house: no import loops between project modules, and no code outside the format registry that
+asks a format for its name to decide what to do."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from pipeline import formats
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def edges(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports (every import statement, those inside functions too; ``importlib``
+    calls with a literal module name as well). ``from P import m`` where ``P.m`` is a module is an edge to ``P.m``
+    alone, and a module's own parent packages are not edges: Python initialises them before the module anyway."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+            targets = subs if len(subs) == len(node.names) else [node.module, *subs]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant)):
+            targets = [node.args[0].value]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                out.add(target)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_loop_between_project_modules():
+    known = modules()
+    graph = {name: edges(name, path, known) for name, path in known.items()}
+    assert cycles(graph) == []
+    # the test sees a loop hidden behind importlib (the formats <-> ptq loop once was one)
+    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    src = "import importlib\ndef f():\n    return importlib.import_module('pipeline.ptq')\n"
+    path = ROOT / "tests" / "_house_probe.py"
+    try:
+        path.write_text(src)
+        assert edges("pipeline.formats", path, known) == {"pipeline.ptq"}
+    finally:
+        path.unlink()
+
+
+def test_formats_import_nothing_that_uses_them():
+    known = modules()
+    for name, path in known.items():
+        if name == "pipeline.formats" or name.startswith("pipeline.formats."):
+            outside = {m for m in edges(name, path, known) if not m.startswith("pipeline.formats")}
+            assert not {m for m in outside if m.startswith(("pipeline.ptq", "pipeline.qat", "pipeline.packed",
+                                                           "pipeline.direct_cast"))}, (name, outside)
+
+
+def test_no_branch_on_a_format_name_in_the_methods_or_training():
+    names = "|".join(re.escape(n) for n in formats.names())
+    pattern = re.compile(rf"(\.name|\bname|\bfmt)\s*==\s*(s3d8\.NAME|[\"']({names})[\"'])")
+    files = [ROOT / "pipeline" / "ptq.py", ROOT / "pipeline" / "direct_cast.py",
+             *sorted((ROOT / "pipeline" / "qat").glob("*.py")), *sorted((ROOT / "stages").glob("*.py"))]
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+            if pattern.search(line)]
+    assert hits == []
