@@ -309,13 +309,20 @@ def _vectors_sample(weight: torch.Tensor, max_vectors: int, seed: int) -> torch.
     else:
         gen = torch.Generator().manual_seed(seed)
         index = torch.randint(total, (max_vectors,), generator=gen)
+    return _group_vectors(weight, scale, index)
+
+
+def _group_vectors(weight: torch.Tensor, scale: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``|W / scale|`` as 3-vectors ``[len(index), 3]`` float32 at flat (group, column) indices; the padding rows
+    of the last group count as zeros."""
+    d_out, d_in = weight.shape
     g, k = index // d_in, index % d_in
     cols = []
     for j in range(GROUP):
         rows = g * GROUP + j
         valid = rows < d_out
         rows = rows.clamp(max=d_out - 1)
-        vals = weight[rows, k].float() / scale[rows, 0]
+        vals = weight[rows, k].float() / scale[rows, 0].float()
         cols.append(torch.where(valid, vals, torch.zeros_like(vals)).abs())
     return torch.stack(cols, dim=1)
 
@@ -334,19 +341,22 @@ def _kmeans_pp(a: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack(centroids)
 
 
-def _lloyd(a: torch.Tensor, centroids: torch.Tensor, tol: float, max_iter: int) -> torch.Tensor:
-    """Lloyd iterations from ``centroids`` until at most ``tol`` of the assignments change."""
-    a64, a_t = a.double(), a.T.contiguous()
+def _lloyd(a: torch.Tensor, centroids: torch.Tensor, tol: float, max_iter: int,
+           weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(Weighted) Lloyd iterations from ``centroids`` until at most ``tol`` of the assignments change; float64
+    centroids. A vector weighs ``weights[i]`` (float64), or 1."""
+    wt = torch.ones(a.shape[0], dtype=torch.float64) if weights is None else weights
+    a_w, a_t = a.double() * wt[:, None], a.T.contiguous()
     centroids = centroids.double().clone()
     assign = None
     for _ in range(max_iter):
         new = _nearest_columns(a_t, centroids.float())
         changed = a.shape[0] if assign is None else int((new != assign).sum())
         assign = new
-        counts = torch.bincount(assign, minlength=N_CENTROIDS).double()
-        sums = torch.zeros(N_CENTROIDS, GROUP, dtype=torch.float64).index_add_(0, assign, a64)
-        filled = counts > 0                      # an empty cluster keeps its centroid
-        centroids[filled] = sums[filled] / counts[filled, None]
+        mass = torch.zeros(N_CENTROIDS, dtype=torch.float64).index_add_(0, assign, wt)
+        sums = torch.zeros(N_CENTROIDS, GROUP, dtype=torch.float64).index_add_(0, assign, a_w)
+        filled = mass > 0                        # an empty cluster keeps its centroid
+        centroids[filled] = sums[filled] / mass[filled, None]
         if changed <= tol * a.shape[0]:
             break
     return centroids
@@ -436,15 +446,7 @@ def _normalised_sample(w: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, ma
         index = torch.arange(total)
     else:
         index = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_vectors].sort().values
-    g, k = index // d_in, index % d_in
-    cols = []
-    for j in range(GROUP):
-        rows = g * GROUP + j
-        valid = rows < d_out
-        rows = rows.clamp(max=d_out - 1)
-        vals = w[rows, k] / scale[rows, 0].float()
-        cols.append(torch.where(valid, vals, torch.zeros_like(vals)).abs())
-    return torch.stack(cols, 1), h[k].double()
+    return _group_vectors(w, scale, index), h[index % d_in].double()
 
 
 def refit_table(w: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, table: torch.Tensor, *, seed: int = 0,
@@ -452,20 +454,7 @@ def refit_table(w: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, table: to
     """Weighted Lloyd-Max (k-means) of the table on ``|W / scale|``, warm-started from ``table``;
     a vector in column k weighs ``h[k]``. Rounded and clamped to the int8 table's [0, 127]."""
     a, wt = _normalised_sample(w, scale, h, max_vectors, seed)
-    a64, a_t = a.double(), a.T.contiguous()
-    c = table.double().clone()
-    assign = None
-    for _ in range(max_iter):
-        new = _nearest_columns(a_t, c.float())
-        changed = a.shape[0] if assign is None else int((new != assign).sum())
-        assign = new
-        mass = torch.zeros(N_CENTROIDS, dtype=torch.float64).index_add_(0, assign, wt)
-        sums = torch.zeros(N_CENTROIDS, GROUP, dtype=torch.float64).index_add_(0, assign, a64 * wt[:, None])
-        filled = mass > 0
-        c[filled] = sums[filled] / mass[filled, None]
-        if changed <= tol * a.shape[0]:
-            break
-    return c.round().clamp(0, 127).to(torch.int8)
+    return _lloyd(a, table, tol, max_iter, weights=wt).round().clamp(0, 127).to(torch.int8)
 
 
 def search(weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
