@@ -288,8 +288,9 @@ def qat_memory(config, *, devices: int = 8, workload: Workload | None = None, co
 
 def step_memory(counts: dict, base: float, file_bytes: float | None = None) -> dict:
     """Predicted peak RSS (bytes) of the single-process steps: ``base`` (the interpreter, measured) plus
-    ``pipeline.memory_plan.step_host``; ``build`` holds one bf16 copy and a 2 GB shard being written."""
-    return {"build": base + 2 * counts["total"] + 2e9,
+    ``pipeline.memory_plan.step_host``; ``build`` holds one bf16 copy (``save_pretrained`` writes its shards from
+    the model's own tensors: the 2 GB shard once counted on top was measured not to be there)."""
+    return {"build": base + 2 * counts["total"],
             **{k: base + v for k, v in step_host(counts, file_bytes).items()}}
 
 
@@ -856,18 +857,20 @@ NOTES = [
     "128000-128255 and `<|image|>` at 128256; Mllama's image processor at 560 px x 4 tiles; the toy's chat template.",
     "Weights: built on `meta`, materialised empty in bf16 and filled in place tensor by tensor (seeded per name: "
     "N(0, 0.02), norms 1, tanh gates 1, the padding row 0), then `save_pretrained` in 2 GB shards: one bf16 copy.",
-    "Pack: a direct cast with the format's own absmax encoder (`fmt.pack`), not the pipeline's default PTQ scale "
-    "search (`pack.method: search`); `write_model_dir` (HF directory, config in the metadata).",
+    "Pack: a direct cast with the format's own absmax encoder (`fmt.pack`) through `write_model_dir` (HF directory, "
+    "config in the metadata): the encoder's peak, not the pack-safetensors stage's (which now copies stage "
+    "direct-cast's packed files). Its peak, sampled at the token embedding: 2.0 GB of the input shard's pages mapped "
+    "by safetensors (RssFile) and ~10 B per weight of the largest matrix in private memory; the model "
+    "(`step_host`) counts 7 B per weight and no mapped pages, hence the ratio near 2.",
     "QAT ran on the reduction `qat` (2 CPU processes, gloo, FSDP2, fp32 compute, teacher sharded, gradient "
     "checkpointing, 3 steps of 2 sequences of 128 tokens): every 11B matrix shape except the vocabulary's "
     "(16,384 rows instead of 128,256), 1 text layer (cross-attention), 1 + 1 vision layers, 1 tile. The full "
-    "skeleton does not fit: every rank loads the whole bf16 teacher and fp32 student before sharding (6 B/param x "
-    "1.87 B x 2 ranks = 22 GB) and the measured train phase is ~19 B/param a rank. Its S3D8 tables are the full "
+    "skeleton does not fit two ranks in 24 GB: the measured train phase is ~23 B/param a rank (the fake-quantised "
+    "units gathered in fp32 and the fp32 gradients reduce-scattered each micro-batch). Its S3D8 tables are the full "
     "skeleton's (same checkpoint names; an S3D8 state is a 32 x 3 table whatever the matrix's shape).",
     "Lazy vs eager: both generate the same tokens from the same logits path; lazy keeps the model at ~1 GB "
-    "(the 0.63 GB file) but its forward peaks at ~8.7 GB: each LazyPackedLinear decodes its whole weight per call, "
-    "and lm_head (128,256 x 4096) decodes to 2.1 GB fp32 plus the decoder's temporaries (~7 GB transient); the "
-    "eager forward adds only ~0.9 GB to its 8 GB of decoded weights. Decoding lm_head in row blocks would bound this.",
+    "(the 0.63 GB file) and its forward peaks near 3 GB (each packed weight decoded in row blocks, lm_head "
+    "included); eager holds its ~8 GB of decoded weights and peaks at load, where every weight is decoded.",
     "The memory model's activation terms are estimates (element counts per token and layer, SDPA without stored "
     "attention probabilities); the parameter terms are exact byte counts. On the CPU skeleton the train phase also "
     "holds fp32 fake-quant temporaries of the largest gathered unit and allocator slack, hence the ratio above 1.",
