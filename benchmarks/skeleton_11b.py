@@ -772,7 +772,7 @@ def markdown(data: dict) -> str:
             L.append(f"| {part} | " + " | ".join(f"{r['parts'][part] / GB:.1f}" for r in m["rows"]) + " |")
         L.append("| **total** | " + " | ".join(f"**{r['total'] / GB:.1f}**" for r in m["rows"]) + " |")
         L.append("| fits 80 GB | " + " | ".join("yes" if r["total"] < 76 * GB else "no" for r in m["rows"]) + " |")
-        L.append(f"| host RAM per rank at load (current library) | " + " | ".join(f"{r['host_load'] / GB:.0f}" for r in m["rows"]) + " |")
+        L.append(f"| host RAM of rank 0 at load (fp32 student + whole teacher; other ranks hold neither when sharded) | " + " | ".join(f"{r['host_load'] / GB:.0f}" for r in m["rows"]) + " |")
         L.append("")
         s = m.get("single_steps")
         if s:
@@ -786,10 +786,11 @@ def markdown(data: dict) -> str:
                 L.append(f"| {k} | {v / GB:.1f} | {cal} |")
             L.append("")
             host = m["rows"][0]["host_load"]
-            L += [f"Host RAM at QAT start with the current library: every rank loads the whole bf16 teacher and fp32 "
-                  f"student before sharding, {host / GB:.0f} GB a rank, {8 * host / GB:.0f} GB for the node's 8 ranks; "
-                  f"a student built on `meta` and filled by a rank-0 broadcast (README) would need one copy, "
-                  f"{host / GB:.0f} GB on rank 0 only, or none with per-rank sharded loading.", ""]
+            teacher_gb = 2 * m["rows"][0]["params"] / GB
+            L += [f"Host RAM at QAT start: rank 0 reads the fp32 student and, with `launch.teacher: shard`, the bf16 "
+                  f"teacher, and fills the other ranks' shards from them ({host / GB:.0f} GB on rank 0, none of it on "
+                  f"the others, whose modules are built on `meta`); with `launch.teacher: replicate` every rank also "
+                  f"loads the whole teacher ({teacher_gb:.0f} GB each, {8 * teacher_gb:.0f} GB for a node's 8 ranks).", ""]
     for note in data.get("notes", []):
         L.append(f"- {note}")
     return "\n".join(L) + "\n"
