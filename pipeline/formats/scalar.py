@@ -175,7 +175,8 @@ def pack_codes(codes: torch.Tensor, d_out: int, d_in: int) -> torch.Tensor:
 
 
 def search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
-                  rounds: int = numerics.ROUNDS, codepoints: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           rounds: int = numerics.ROUNDS,
+           codepoints: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``search`` method for a 6-level format: ``(codepoints, scale bf16 [d_out, n_blocks])``.
     ``codepoints``: ``fmt.fit(weight, seed=seed)``'s when already at hand (fitted otherwise).
 
@@ -196,7 +197,8 @@ def search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = None, *,
     refit = fmt.refit_codepoints
     scale = None
     for r in range(rounds if refit else 1):
-        candidates = [numerics.bf16_scale(a * absmax / fmt.qmax) for a in numerics.ALPHAS] + ([scale] if scale is not None else [])
+        candidates = [numerics.bf16_scale(a * absmax / fmt.qmax) for a in numerics.ALPHAS]
+        candidates += [scale] if scale is not None else []
         best_s, best_e = None, None
         for step in range(1 + numerics.LS_STEPS):
             for cand in candidates:
@@ -229,7 +231,7 @@ def search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = None, *,
 
 
 def gptq_pack(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None,
-                compensated: torch.Tensor | None = None):
+              compensated: torch.Tensor | None = None):
     """The ``gptq`` method for a 6-level format: ``(codes uint8, scale, codepoints)``. ``start``: the
     ``(codepoints, scale)`` of ``search(fmt, weight, diag(hessian), seed=seed)`` when at hand.
     ``compensated`` receives the error-compensated weights GPTQ quantised."""
@@ -250,7 +252,6 @@ def gptq_pack(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0
 
     numerics.gptq(w, hessian, quant_col)
     return pack_codes(codes, d_out, d_in), scale, codepoints
-
 
 
 LAYOUT = "s3d8-pipeline-scalar6-v1"

@@ -475,8 +475,8 @@ def _quantiser_state(fmt: FormatBase, p: QATParams, names: dict, weights: dict, 
             h = importance(key) if importance is not None else None
             h = torch.ones(w.shape[1]) if h is None else h.float()
             s = scale if scale is not None else fmt.absmax_scale(w)
-            err = lambda st: float((((w - fmt.values_at_scale(w, st, s) * fmt.expand_scale(s.float(), w.shape)) ** 2)  # noqa: E731
-                                    * h).double().sum())
+            expanded = fmt.expand_scale(s.float(), w.shape)
+            err = lambda st: float((((w - fmt.values_at_scale(w, st, s) * expanded) ** 2) * h).double().sum())  # noqa: E731
             new = fmt.refit_state(w, s, h, state)
             before, after = err(state), err(new)
             refit["matrices"] += 1
