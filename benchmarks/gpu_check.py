@@ -1,26 +1,36 @@
-"""The skeleton on one CUDA GPU: a few QAT steps and a teacher-generate shard, with throughput and peak GPU memory.
+"""The skeleton on one CUDA GPU: the direct cast that QAT starts from, a few QAT steps from it, a teacher-generate
+shard; throughput and peak GPU memory of each.
 
-    benchmarks/gpu_check.sh [--out FILE] [--preset full] [--steps 4] [--batch 4] [--seq 512] [--gen-prompts 8]
+    benchmarks/gpu_check.sh [--out FILE] [--preset full] [--method gptq] [--steps 4] [--batch 4] [--seq 512]
+    benchmarks/gpu_check.sh --device cpu --preset tiny --steps 1 --batch 2 --seq 64    # the same code, no GPU
 
 Builds the 11B-shaped skeleton (``benchmarks/skeleton_11b.py``, preset ``full``: 1.87 B parameters, every width
 of the 11B; it fits one 80 GB GPU: bf16 teacher 3.7 GB + fp32 student, gradients and AdamW 30 GB + activations)
 unless it is already under ``checkpoints/skeleton-11b/<preset>/model``, gives every matrix one S3D8 table (fitted
 once on the embedding: throughput does not depend on the table; ``--fit`` fits each matrix as the pipeline does),
-then on ``cuda:0``:
+then on the device:
 
+- cast: stage direct-cast's work (``pipeline.direct_cast.cast_group`` by ``--method``, every matrix on the GPU as
+  the stage puts it there) with a synthetic ``X^T X`` per Linear (a skeleton has no calibration data; GPTQ's cost
+  does not depend on the values); seconds per matrix, and from them the 11B's direct cast on 1 and on 8 GPUs
+  (its 526 matrices by shape, dealt to 8 processes as the stage deals them). One matrix is also cast on the CPU:
+  the seconds there and how many packed bytes and scales agree;
 - QAT: ``pipeline.qat.train.train`` under FSDP2 on one process (NCCL), bf16 compute, gradient checkpointing,
-  ``--steps`` optimizer steps of ``--batch`` sequences of ``--seq`` tokens with one image each (4 tiles);
+  from that direct cast (``qat.init: ptq``, the recipe's start), ``--steps`` optimizer steps of ``--batch``
+  sequences of ``--seq`` tokens with one image each (the preset's tiles);
 - teacher-generate: ``pipeline.generate.generate_shard`` on a shard of ``--gen-prompts`` prompts, bf16, sampled.
 
-Writes a JSON (default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else ``checkpoints/skeleton-11b/gpu_check.json``):
-steps/s, tokens/s, ``torch.cuda.max_memory_allocated`` per phase, and the memory model's prediction for the same run.
-Without a CUDA GPU it prints why and exits with status 2 before building anything.
+Writes a JSON (default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else ``checkpoints/skeleton-11b/gpu_check.json``),
+rewritten after each phase: seconds and ``torch.cuda.max_memory_allocated`` per phase, and the memory model's
+prediction for the same run. Without a CUDA GPU (and without ``--device cpu``) it prints why and exits with
+status 2 before building anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
@@ -60,19 +70,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class CudaPhases:
-    """Wall time and ``torch.cuda.max_memory_allocated`` per phase (the peak statistics reset at each start)."""
+class Phases:
+    """Wall time and, on a GPU, ``torch.cuda.max_memory_allocated`` per phase (the peak statistics reset at each
+    start); the device is synchronised at each boundary, so a phase's time includes its queued kernels."""
 
-    def __init__(self) -> None:
+    def __init__(self, device) -> None:
+        self.device = device
         self.records: dict[str, dict] = {}
         self.current: tuple[str, float] | None = None
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def enter(self, name: str) -> None:
         import torch
 
         self.exit()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.current = (name, time.perf_counter())
 
     def exit(self) -> None:
@@ -81,11 +99,13 @@ class CudaPhases:
         if self.current is None:
             return
         name, t0 = self.current
-        torch.cuda.synchronize()
-        self.records[name] = {"seconds": round(time.perf_counter() - t0, 3),
-                              "max_memory_allocated_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
-                              "max_memory_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 3),
-                              "memory_allocated_end_gb": round(torch.cuda.memory_allocated() / 1e9, 3)}
+        self.sync()
+        rec = {"seconds": round(time.perf_counter() - t0, 3)}
+        if self.device.type == "cuda":
+            rec.update({"max_memory_allocated_gb": round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3),
+                        "max_memory_reserved_gb": round(torch.cuda.max_memory_reserved(self.device) / 1e9, 3),
+                        "memory_allocated_end_gb": round(torch.cuda.memory_allocated(self.device) / 1e9, 3)})
+        self.records[name] = rec
         self.current = None
 
 
@@ -129,13 +149,205 @@ def shared_table_states(preset: str) -> dict:
     return {saved.removesuffix(".weight"): state for saved in names.values()}
 
 
-def qat_check(preset: str, steps: int, batch: int, seq: int, phases: CudaPhases) -> dict:
+# --- the direct cast ------------------------------------------------------------------------------------------
+
+def matrices(config) -> dict[str, tuple[tuple[int, int], bool]]:
+    """``{checkpoint name P (of P.weight): ((d_out, d_in), has X^T X)}`` of a model config: the Linear layers have
+    calibration data, the embeddings do not (as stage calibrate writes it)."""
     import torch
 
+    from pipeline.models import meta_model, quantised_weight_names
+
+    model = meta_model(config)
+    return {saved.removesuffix(".weight"): (tuple(model.get_submodule(m).weight.shape),
+                                            isinstance(model.get_submodule(m), torch.nn.Linear))
+            for m, saved in quantised_weight_names(model).items()}
+
+
+def synthetic_hessian(d_in: int, device, seed: int = 0):
+    """A full-rank ``X^T X / n`` with correlated channels of different gains (float32, on ``device``)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed + d_in)
+    n = d_in + 1024
+    x = torch.randn(n, d_in, generator=gen, device=device)
+    x += torch.randn(n, 64, generator=gen, device=device) @ torch.randn(64, d_in, generator=gen, device=device) / 8
+    x *= torch.rand(d_in, generator=gen, device=device) * 3 + 0.1
+    return x.T @ x / n
+
+
+def time_of(shape, linear: bool, measured: dict) -> float:
+    """Seconds for a matrix: measured for its shape, else scaled from the measured shape of the nearest cost (GPTQ's
+    ``d_out x d_in^2`` for a Linear, the search's ``d_out x d_in`` for an embedding)."""
+    if shape in measured:
+        return measured[shape]
+
+    def cost(s):
+        return s[0] * s[1] * (s[1] if linear else 1)
+
+    near = min(measured, key=lambda s: abs(math.log(cost(s) / cost(shape))))
+    return measured[near] * cost(shape) / cost(near)
+
+
+def predict_11b(measured: dict[tuple, float], processes: int) -> dict:
+    """The 11B's direct cast from the per-shape seconds: its matrices dealt to ``processes`` as the stage deals
+    them (``pipeline.direct_cast.deal``), the slowest process's seconds."""
+    import skeleton_11b as S
+    from pipeline import direct_cast
+
+    inventory = matrices(S.full_11b_config())
+    group_seconds: dict[str, float] = {}
+    for name, (shape, linear) in inventory.items():
+        g = direct_cast.group_of(name)
+        group_seconds[g] = group_seconds.get(g, 0.0) + time_of(shape, linear, measured)
+    work = direct_cast.deal(group_seconds, processes)
+    return {"matrices": len(inventory), "processes": processes,
+            "unmeasured_shapes": sorted({str(s) for s, _ in inventory.values() if s not in measured}),
+            "seconds": round(max(sum(group_seconds[g] for g in w) for w in work), 1),
+            "seconds_one_process": round(sum(group_seconds.values()), 1)}
+
+
+def cast_check(preset: str, method: str, device, phases: Phases, compare: bool = True) -> dict:
+    """Stage direct-cast's work on ``device``; writes ``<preset>/direct-cast/s3d8`` for :func:`qat_check`."""
+    import skeleton_11b as S
+    from pipeline import direct_cast, formats
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.io import atomic_dir
+
+    d = S.dirs(preset)
+    fmt = formats.get("s3d8")
+    states = fmt.load_states(d["states"])
+    reader = CheckpointReader(d["model"])
+    inventory = matrices(S.skeleton_config(S.PRESETS[preset]))
+    phases.enter("cast_hessians")
+    hessians = {shape[1]: synthetic_hessian(shape[1], device) for shape, linear in inventory.values() if linear}
+    groups: dict[str, list[str]] = {}
+    for name in inventory:
+        groups.setdefault(direct_cast.group_of(name), []).append(name)
+    phases.exit()
+
+    def weight(name):
+        return reader.get(f"{name}.weight").float().to(device)
+
+    def fitted(name):
+        return {k: v.to(device) for k, v in states[name].items()}
+
+    def hessian(name):
+        shape, linear = inventory[name]
+        return hessians[shape[1]] if linear and method == "gptq" else None
+
+    seconds: dict[str, float] = {}
+    order = [n for g in groups for n in groups[g]]
+    clock = [time.perf_counter()]
+
+    def on_matrix():
+        phases.sync()
+        now = time.perf_counter()
+        seconds[order[len(seconds)]] = now - clock[0]
+        clock[0] = now
+
+    out_dir = d["model"].parent / "direct-cast" / fmt.name
+    phases.enter("cast")
+    with atomic_dir(out_dir) as out:
+        for g, names in groups.items():
+            clock[0] = time.perf_counter()
+            direct_cast.cast_group(fmt, names, weight, fitted, hessian, method, out / f"{g}.safetensors",
+                                   "gpu-check", on_matrix=on_matrix)
+        direct_cast.write_index(out, fmt, method, groups, {"device": device.type})
+    phases.exit()
+    by_shape: dict[tuple, list[float]] = {}
+    for name, sec in seconds.items():
+        by_shape.setdefault(inventory[name][0], []).append(sec)
+    measured = {shape: min(v) for shape, v in by_shape.items()}     # the first of a shape carries warm-up
+    result = {"method": method, "device": str(device), "out_dir": str(out_dir), "matrices": len(seconds),
+              "weights": sum(inventory[n][0][0] * inventory[n][0][1] for n in seconds),
+              "seconds": phases.records["cast"]["seconds"],
+              "seconds_by_shape": {str(s): round(v, 3) for s, v in sorted(measured.items())},
+              "predicted_11b": [predict_11b(measured, k) for k in (1, 8)]}
+    if compare:
+        try:
+            result["cpu_vs_device"] = compare_on_cpu(fmt, states, reader, inventory, hessians, method, device)
+        except Exception as e:  # noqa: BLE001  (the cast itself is done: QAT can start from it)
+            result["cpu_vs_device"] = {"error": f"{type(e).__name__}: {e}"}
+    return result
+
+
+def compare_on_cpu(fmt, states, reader, inventory, hessians, method: str, device) -> dict:
+    """One matrix (the smallest square Linear) cast on the CPU (native kernels, every core) and on ``device``:
+    seconds of each and how much of the result agrees."""
+    import torch
+
+    from pipeline import ptq
+
+    name = min((n for n, (s, linear) in inventory.items() if linear and s[0] == s[1]),
+               key=lambda n: inventory[n][0][0])
+    w = reader.get(f"{name}.weight").float()
+    h = hessians[w.shape[1]] if method == "gptq" else None
+    runs = {}
+    for key, where in (("cpu", torch.device("cpu")), ("device", device)):
+        t0 = time.perf_counter()
+        packed, master = ptq.cast(fmt, w.to(where), method=method,
+                                  fitted={k: v.to(where) for k, v in states[name].items()},
+                                  hessian=None if h is None else h.to(where))
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+        runs[key] = ({k: v.cpu() for k, v in packed.items()}, master.cpu(), time.perf_counter() - t0)
+    (p_cpu, m_cpu, t_cpu), (p_dev, m_dev, t_dev) = runs["cpu"], runs["device"]
+    hd = (h if h is not None else torch.eye(w.shape[1])).double().cpu()
+
+    def output_error(p):
+        e = (w - fmt.unpack(p, tuple(w.shape))).double()
+        return float(((e @ hd) * e).sum() / ((w.double() @ hd) * w.double()).sum())
+
+    return {"matrix": name, "shape": list(w.shape), "threads": torch.get_num_threads(),
+            "cpu_seconds": round(t_cpu, 3), "device_seconds": round(t_dev, 3),
+            "packed_bytes_equal": float((p_cpu["packed"] == p_dev["packed"]).float().mean()),
+            "scales_equal": float((p_cpu["scale"] == p_dev["scale"]).float().mean()),
+            "tables_equal": bool(torch.equal(p_cpu["table"], p_dev["table"])),
+            "masters_equal": float((m_cpu == m_dev).float().mean()),
+            "relative_output_error_cpu": output_error(p_cpu), "relative_output_error_device": output_error(p_dev)}
+
+
+# --- QAT and generation ---------------------------------------------------------------------------------------
+
+class StepLog:
+    """What ``pipeline.qat.train`` logs through dvclive's ``Live``, kept in memory: on a GPU machine without dvclive
+    (it pulls in dvc) it stands in for it, and the per-step metrics go into this check's JSON."""
+
+    records: list[dict] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.step = 0
+
+    def log_metric(self, name: str, value) -> None:
+        if not StepLog.records or StepLog.records[-1]["step"] != self.step:
+            StepLog.records.append({"step": self.step})
+        StepLog.records[-1][name] = float(value)
+
+    def next_step(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def ensure_dvclive() -> str:
+    """``dvclive``, or :class:`StepLog` in its place where it is not installed; says which."""
+    try:
+        import dvclive  # noqa: F401
+        return "dvclive"
+    except ImportError:
+        import types
+        sys.modules["dvclive"] = types.SimpleNamespace(Live=StepLog)
+        return "not installed: per-step metrics kept by gpu_check.StepLog"
+
+
+def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cast_dir: str | None) -> dict:
     import pipeline.qat.train as qt
     import pipeline.toy  # noqa: F401  (the toy image pool)
     import skeleton_11b as S
     from pipeline import formats
+    from pipeline.direct_cast import DirectCast
     from pipeline.launch import LaunchParams
     from pipeline.models import load_processor
 
@@ -157,7 +369,8 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: CudaPhases)
         return r
 
     def student_hook(self, *args):
-        # rank 0 loads the student; every rank builds it on meta, shards it and receives its shards
+        # rank 0 loads the student (and its post-training start); every rank builds it on meta, shards it and
+        # receives its shards
         r = orig["student"](self, *args)
         phases.enter("qat_train")
         return r
@@ -166,31 +379,36 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: CudaPhases)
         phases.enter("qat_save_student")
         return orig["save_student"](self, student, proc, out_dir, *rest)
 
+    logger = ensure_dvclive()
     engine.teacher, engine.student, engine.save_student = teacher_hook, student_hook, save_hook
-    launch = LaunchParams(num_processes=1, backend="nccl", strategy="fsdp2", compute_dtype="bfloat16",
-                          gradient_checkpointing=True, teacher="replicate")
+    cuda = phases.device.type == "cuda"
+    launch = LaunchParams(num_processes=1, backend="nccl" if cuda else "gloo", strategy="fsdp2",
+                          compute_dtype="bfloat16", gradient_checkpointing=True, teacher="replicate")
+    start = DirectCast(cast_dir, fmt).start if cast_dir else None
     p = qt.QATParams(steps=steps, batch_size=batch, grad_accum=1, max_seq_len=seq, checkpoint_every=10**6, threads=0,
-                     init="teacher")
+                     init="ptq" if start else "teacher")
     work = d["model"].parent / "gpu_qat"
     phases.enter("qat_load_teacher")
     try:
         summary = qt.train(fmt, states, str(d["model"]), "bfloat16", examples, p, out_dir=work / "student",
                            checkpoint=work / "ckpt.safetensors", live_dir=work / "live", fingerprint="gpu-check",
-                           launch=launch)
+                           launch=launch, start=start)
     finally:
         phases.exit()
         for k, v in orig.items():
             setattr(engine, k, v)
     train = phases.records["qat_train"]
     tokens = batch * seq * steps
-    return {"steps": steps, "batch": batch, "seq": seq, "summary": summary,
+    return {"steps": steps, "batch": batch, "seq": seq, "init": p.init, "summary": summary, "dvclive": logger,
+            "step_metrics": StepLog.records,
             "steps_per_s": round(steps / train["seconds"], 4), "tokens_per_s": round(tokens / train["seconds"], 1),
-            "max_memory_allocated_gb": max(r["max_memory_allocated_gb"] for k, r in phases.records.items()
-                                           if k.startswith("qat_")),
-            "note": "qat_train's time includes the first step's warm-up (kernels, allocator)"}
+            "max_memory_allocated_gb": max((r.get("max_memory_allocated_gb", 0) for k, r in phases.records.items()
+                                            if k.startswith("qat_")), default=None),
+            "note": "qat_train's time includes the first step's warm-up (kernels, allocator) and, with the KL "
+                    "cache, the teacher's forward over every training sequence"}
 
 
-def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: CudaPhases) -> dict:
+def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: Phases) -> dict:
     import pyarrow as pa
     import torch
 
@@ -201,7 +419,7 @@ def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: CudaP
 
     d = S.dirs(preset)
     phases.enter("generate_load_teacher")
-    model = load_model(str(d["model"]), torch.bfloat16).to("cuda")
+    model = load_model(str(d["model"]), torch.bfloat16).to(phases.device)
     processor = load_processor(str(d["model"]))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
@@ -215,7 +433,7 @@ def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: CudaP
     seconds = phases.records["generate_shard"]["seconds"]
     return {"prompts": prompts, "max_new_tokens": max_new_tokens, "generated_tokens": new_tokens,
             "tokens_per_s": round(new_tokens / seconds, 2), "prompts_per_s": round(prompts / seconds, 3),
-            "max_memory_allocated_gb": phases.records["generate_shard"]["max_memory_allocated_gb"]}
+            "max_memory_allocated_gb": phases.records["generate_shard"].get("max_memory_allocated_gb")}
 
 
 def predicted(preset: str, batch: int, seq: int) -> dict:
@@ -227,10 +445,17 @@ def predicted(preset: str, batch: int, seq: int) -> dict:
     return {"total_gb": round(m["total"] / 1e9, 2), "parts_gb": {k: round(v / 1e9, 2) for k, v in m["parts"].items()}}
 
 
+CHECKS = ("cast", "qat", "generate")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--preset", default="full", help="a preset of benchmarks/skeleton_11b.py (full, qat, tiny)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the same code without a GPU (a dry run of this script)")
+    parser.add_argument("--checks", default=",".join(CHECKS), help=f"which of {', '.join(CHECKS)}, comma-separated")
+    parser.add_argument("--method", choices=("gptq", "search"), default="gptq", help="the direct cast's method")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
@@ -238,36 +463,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--fit", action="store_true", help="fit every matrix (slow on few cores)")
     args = parser.parse_args(argv)
-    reason = no_gpu_reason()
+    checks = [c for c in args.checks.split(",") if c]
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        parser.error(f"--checks: unknown {', '.join(unknown)} (choose from {', '.join(CHECKS)})")
+    reason = no_gpu_reason() if args.device == "cuda" else None
     if reason:
         print(f"gpu_check: {reason}", file=sys.stderr)
         return NO_GPU_STATUS
     import torch
 
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     out = args.out or default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "preset": args.preset,
-              "total_memory_gb": round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)}
+    result = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "preset": args.preset, "cpu_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        result["total_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)
+    from pipeline.formats.s3d8 import native_or_none
+    result["native_kernels"] = native_or_none() is not None
     t0 = time.perf_counter()
     result["skeleton"] = ensure_skeleton(args.preset, args.fit)
-    phases = CudaPhases()
-    for name, fn in (("qat", lambda: qat_check(args.preset, args.steps, args.batch, args.seq, phases)),
-                     ("generate", lambda: generate_check(args.preset, args.gen_prompts, args.gen_tokens, phases))):
+    phases = Phases(device)
+
+    def save():
+        result["phases"] = phases.records
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    runs = {"cast": lambda: cast_check(args.preset, args.method, device, phases),
+            "qat": lambda: qat_check(args.preset, args.steps, args.batch, args.seq, phases,
+                                     result.get("cast", {}).get("out_dir")),
+            "generate": lambda: generate_check(args.preset, args.gen_prompts, args.gen_tokens, phases)}
+    for name in checks:
+        print(f"gpu_check: {name} ...", flush=True)
         try:
-            result[name] = fn()
+            result[name] = runs[name]()
         except Exception as e:  # noqa: BLE001  (record it, go on to the next check)
             import traceback
+            phases.current = None
             result[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         finally:
-            torch.cuda.empty_cache()
-        result["phases"] = phases.records
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    result["predicted_qat"] = predicted(args.preset, args.batch, args.seq)
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"gpu_check: {name}: {json.dumps(result[name], default=str)[:1500]}", flush=True)
+        save()
+    if "qat" in checks:
+        result["predicted_qat"] = predicted(args.preset, args.batch, args.seq)
+    save()
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}, indent=1, default=str))
     print(f"gpu_check: wrote {out}")
-    return 0 if all("error" not in result[k] for k in ("qat", "generate")) else 1
+    return 0 if all("error" not in result[k] for k in checks) else 1
 
 
 if __name__ == "__main__":

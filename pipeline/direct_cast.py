@@ -62,8 +62,8 @@ def cast_group(fmt: FormatBase, names: list[str], weight, fitted, hessian, metho
     tensors = {}
     for name in names:
         packed, master = ptq.cast(fmt, weight(name), method=method, hessian=hessian(name), fitted=fitted(name))
-        tensors.update({f"{name}.{k}": v.contiguous() for k, v in packed.items()})
-        tensors[f"{name}.master"] = master.contiguous()
+        tensors.update({f"{name}.{k}": v.cpu().contiguous() for k, v in packed.items()})
+        tensors[f"{name}.master"] = master.cpu().contiguous()
         if on_matrix is not None:
             on_matrix()
     write_tensors(path, tensors, {"format": fmt.name, "method": method, "fingerprint": fingerprint})

@@ -5,7 +5,8 @@
 Starts from fit-centroids' fitted state of each weight (``data/centroids/<format>.safetensors``); ``gptq`` reads
 the calibrate stage's ``X^T X``. Writes ``models/direct-cast/<format>/`` (``pipeline/direct_cast.py``): the packed
 tensors pack-safetensors writes and the float32 start of QAT, one file per decoder layer, the layers dealt to the
-processes. A killed run resumes from the layers it finished (``checkpoints/direct-cast/<format>/``).
+processes, each on its GPU where it has one (else the CPU; the index records which: GPU arithmetic can round a
+few codes differently). A killed run resumes from the layers it finished (``checkpoints/direct-cast/<format>/``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pipeline.io import atomic_dir
 from pipeline.launch import run_stage
 from pipeline.models import load_config, meta_model, quantised_weight_names
 from pipeline.ptq import PackParams
+from pipeline.qat.distributed import device
 from pipeline.shards import file_hash, fingerprint
 from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
 from pipeline.teacher import TeacherParams, local_dir
@@ -72,17 +74,26 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0 and len(todo) < len(mine):
             console.print(f"direct-cast {fmt.name}: resuming, {len(mine) - len(todo)} of {len(mine)} files done")
 
+        on = device()             # this process's GPU where there is one: the searches and GPTQ run there
+
         def weight(name):
             w = reader.get(f"{name}.weight").float()
             check_weight(w, f"{reader.file_of(f'{name}.weight')}: tensor {name}.weight")
-            return w
+            return w.to(on)
+
+        def fitted(name):
+            return {k: v.to(on) for k, v in states[name].items()}
+
+        def hessian(name):
+            h = calibration.get(name)
+            return None if h is None else h.to(on)
 
         began = time.perf_counter()
         with progress() as bar:
             task = bar.add_task(f"direct-cast {fmt.name} ({method})" + (f" rank {rank}" if world > 1 else ""),
                                 total=sum(len(groups[g]) for g in todo))
             for g in todo:
-                direct_cast.cast_group(fmt, groups[g], weight, states.get, calibration.get, method,
+                direct_cast.cast_group(fmt, groups[g], weight, fitted, hessian, method,
                                        staging / f"{g}.safetensors", fp, on_matrix=lambda: bar.advance(task))
         if world > 1:
             _wait_for_all()
@@ -91,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             with atomic_dir(out_dir) as out:
                 for g in groups:
                     os.replace(staging / f"{g}.safetensors", out / f"{g}.safetensors")
-                direct_cast.write_index(out, fmt, method, groups, {"fit_state": file_hash(state_file), **versions()})
+                direct_cast.write_index(out, fmt, method, groups,
+                                        {"fit_state": file_hash(state_file), "device": on.type, **versions()})
             shutil.rmtree(staging, ignore_errors=True)
             run_log(f"direct-cast-{fmt.name}", seconds=round(time.perf_counter() - began, 1), processes=world)
             console.print(f"[green]direct-cast[/] {fmt.name} ({method}): {len(names)} matrices in {len(groups)} "

@@ -210,3 +210,22 @@ def test_collect_importance_and_hessians_on_a_tiny_model():
     assert set(ptq.collect_importance(model, [{"input": batches[1]}], names=["2"])) == {"2"}
     with pytest.raises(ValueError, match="names"):
         ptq.collect_importance(model, batches, names=["1"])
+
+
+@pytest.mark.parametrize("name", formats.QUANTISED)
+def test_fit_and_cast_allocate_on_the_weights_device(name, monkeypatch):
+    """Stage direct-cast runs on a GPU where there is one: no tensor of a fit or a post-training method may be
+    created on torch's default device. With ``meta`` as the default, any such tensor meets the CPU weight and
+    fails; the result must equal the plain run's bit for bit."""
+    monkeypatch.setattr(s3d8, "native_or_none", lambda: None)      # the torch path, the one a GPU runs
+    fmt = formats.get(name)
+    methods = ["search", "gptq"] if fmt.comparison else ["absmax"]
+    for method in methods:
+        hessian = H if method == "gptq" else None
+        expected = ptq.cast(fmt, W, method=method, hessian=hessian)
+        with torch.device("meta"):
+            got = ptq.cast(fmt, W, method=method, hessian=hessian, fitted=fmt.fit(W, seed=0))
+        assert {k: v.device.type for k, v in got[0].items()} == {k: "cpu" for k in expected[0]}
+        for k, v in expected[0].items():
+            assert torch.equal(got[0][k], v), (method, k)
+        assert torch.equal(bits(got[1]), bits(expected[1])), method

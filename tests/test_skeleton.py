@@ -4,6 +4,7 @@ benchmarks/gpu_check.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,3 +138,26 @@ def test_gpu_check_cpu_side_builds_the_tiny_skeleton_and_its_states(tmp_path, mo
     names = quantised_weight_names(meta_model(S.skeleton_config(S.PRESETS["tiny"])))
     assert set(states) == {saved.removesuffix(".weight") for saved in names.values()}
     assert gpu_check.ensure_skeleton("tiny", fit=False) == {"model_dir": str(S.dirs("tiny")["model"])}   # reused
+
+
+def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
+    """The GPU check's code on the CPU (tiny skeleton): the direct cast it times is the stage's and QAT starts
+    from it; without dvclive the per-step metrics land in its JSON."""
+    import gpu_check
+    from pipeline import formats
+    from pipeline.direct_cast import DirectCast
+
+    monkeypatch.setattr(S, "WORK", tmp_path)
+    monkeypatch.setitem(sys.modules, "dvclive", None)          # as on a GPU machine without dvc
+    monkeypatch.setattr(gpu_check.StepLog, "records", [])
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--batch", "2", "--seq", "48",
+                           "--gen-prompts", "2", "--gen-tokens", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    cast = r["cast"]
+    assert cast["matrices"] == 45 and cast["cpu_vs_device"]["packed_bytes_equal"] == 1.0
+    assert [p["processes"] for p in cast["predicted_11b"]] == [1, 8]
+    assert cast["predicted_11b"][1]["seconds"] < cast["predicted_11b"][0]["seconds"]
+    DirectCast(cast["out_dir"], formats.get("s3d8"))                   # a direct cast the stage's reader takes
+    assert r["qat"]["init"] == "ptq" and [m["step"] for m in r["qat"]["step_metrics"]] == [1, 2]
+    assert r["generate"]["generated_tokens"] > 0

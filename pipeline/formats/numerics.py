@@ -22,9 +22,9 @@ SMALLEST_SCALE = 2.0 ** -126
 decodes to ~0."""
 
 
-def weights(importance: torch.Tensor | None, d_in: int) -> torch.Tensor:
-    """Per-input-channel weights of the squared error: ``importance``, or all ones."""
-    return torch.ones(d_in) if importance is None else importance
+def weights(importance: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """Per-input-channel weights of the squared error of ``weight``: ``importance``, or all ones."""
+    return torch.ones(weight.shape[1], device=weight.device) if importance is None else importance.to(weight.device)
 
 
 def bf16_scale(value: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, quant_col, *, block: int =
     dead = h.diagonal() == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    h += damp * h.diagonal().mean() * torch.eye(d_in, dtype=torch.float64)
+    h += damp * h.diagonal().mean() * torch.eye(d_in, dtype=torch.float64, device=h.device)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     q = torch.zeros_like(w)
     for i1 in range(0, d_in, block):

@@ -199,8 +199,8 @@ def signed_luts(table: torch.Tensor) -> torch.Tensor:
     Lanes 0 and 2 are sign-minor (``L[2q + s]``), lane 1 is sign-major (``L[q + 32 s]``).
     """
     t = check_table(table).to(torch.int16)
-    q = torch.arange(N_CENTROIDS)
-    luts = torch.empty(3, 64, dtype=torch.int16)
+    q = torch.arange(N_CENTROIDS, device=t.device)
+    luts = torch.empty(3, 64, dtype=torch.int16, device=t.device)
     for lane, (pos, neg) in enumerate([(2 * q, 2 * q + 1), (q, q + 32), (2 * q, 2 * q + 1)]):
         luts[lane, pos] = t[:, lane]
         luts[lane, neg] = -t[:, lane]
@@ -305,10 +305,10 @@ def _vectors_sample(weight: torch.Tensor, max_vectors: int, seed: int) -> torch.
     total = n_groups * d_in
     scale = weight_scale(weight).float()
     if total <= max_vectors:
-        index = torch.arange(total)
+        index = torch.arange(total, device=weight.device)
     else:
         gen = torch.Generator().manual_seed(seed)
-        index = torch.randint(total, (max_vectors,), generator=gen)
+        index = torch.randint(total, (max_vectors,), generator=gen, device=gen.device).to(weight.device)
     return _group_vectors(weight, scale, index)
 
 
@@ -328,12 +328,12 @@ def _group_vectors(weight: torch.Tensor, scale: torch.Tensor, index: torch.Tenso
 
 
 def _kmeans_pp(a: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
-    first = torch.randint(a.shape[0], (1,), generator=gen)
+    first = torch.randint(a.shape[0], (1,), generator=gen, device=gen.device)
     centroids = [a[first[0]]]
     d2 = ((a - centroids[0]) ** 2).sum(1)
     for _ in range(1, k):
         if float(d2.sum()) <= 0:
-            pick = torch.randint(a.shape[0], (1,), generator=gen)[0]
+            pick = torch.randint(a.shape[0], (1,), generator=gen, device=gen.device)[0]
         else:
             pick = torch.multinomial(d2.double(), 1, generator=gen)[0]
         centroids.append(a[pick])
@@ -345,7 +345,7 @@ def _lloyd(a: torch.Tensor, centroids: torch.Tensor, tol: float, max_iter: int,
            weights: torch.Tensor | None = None) -> torch.Tensor:
     """(Weighted) Lloyd iterations from ``centroids`` until at most ``tol`` of the assignments change; float64
     centroids. A vector weighs ``weights[i]`` (float64), or 1."""
-    wt = torch.ones(a.shape[0], dtype=torch.float64) if weights is None else weights
+    wt = torch.ones(a.shape[0], dtype=torch.float64, device=a.device) if weights is None else weights
     a_w, a_t = a.double() * wt[:, None], a.T.contiguous()
     centroids = centroids.double().clone()
     assign = None
@@ -353,8 +353,8 @@ def _lloyd(a: torch.Tensor, centroids: torch.Tensor, tol: float, max_iter: int,
         new = _nearest_columns(a_t, centroids.float())
         changed = a.shape[0] if assign is None else int((new != assign).sum())
         assign = new
-        mass = torch.zeros(N_CENTROIDS, dtype=torch.float64).index_add_(0, assign, wt)
-        sums = torch.zeros(N_CENTROIDS, GROUP, dtype=torch.float64).index_add_(0, assign, a_w)
+        mass = torch.zeros(N_CENTROIDS, dtype=torch.float64, device=a.device).index_add_(0, assign, wt)
+        sums = torch.zeros(N_CENTROIDS, GROUP, dtype=torch.float64, device=a.device).index_add_(0, assign, a_w)
         filled = mass > 0                        # an empty cluster keeps its centroid
         centroids[filled] = sums[filled] / mass[filled, None]
         if changed <= tol * a.shape[0]:
@@ -376,7 +376,7 @@ def fit_centroids(weight: torch.Tensor, *, seed: int = 0, max_vectors: int = 2 *
         raise ValueError(f"max_vectors: must be positive, got {max_vectors}")
     a = _vectors_sample(weight.detach().cpu(), max_vectors, seed)
     gen = torch.Generator().manual_seed(seed)
-    a = a[torch.randperm(a.shape[0], generator=gen)]
+    a = a[torch.randperm(a.shape[0], generator=gen, device=gen.device)]
     centroids = _kmeans_pp(a[:2 ** 16], N_CENTROIDS, gen)
     for size in sorted({min(a.shape[0], 2 ** e) for e in (12, 14, 16, 18, 20)} | {a.shape[0]}):
         centroids = _lloyd(a[:size], centroids, tol, max_iter)
@@ -443,9 +443,10 @@ def _normalised_sample(w: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, ma
     n_groups = ceil_div(d_out, GROUP)
     total = n_groups * d_in
     if total <= max_vectors:
-        index = torch.arange(total)
+        index = torch.arange(total, device=w.device)
     else:
-        index = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_vectors].sort().values
+        gen = torch.Generator().manual_seed(seed)
+        index = torch.randperm(total, generator=gen, device=gen.device)[:max_vectors].sort().values.to(w.device)
     return _group_vectors(w, scale, index), h[index % d_in].double()
 
 
@@ -462,7 +463,7 @@ def search(weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed
     """The ``search`` post-training method (``pipeline.ptq``): ``(table int8 [32, 3], scale bf16 [d_out, 1])``.
     ``table``: the absmax table ``fit_centroids(weight, seed=seed)`` when already at hand (it is fitted otherwise)."""
     w = weight.detach().float()
-    h = numerics.weights(importance, w.shape[1])
+    h = numerics.weights(importance, w)
     table = fit_centroids(weight, seed=seed) if table is None else check_table(table)
     absmax_scale = weight_scale(w)
     _, err = _row_errors(w, table, absmax_scale, h)
@@ -489,15 +490,16 @@ def gptq_pack(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, sta
     table, scale = search(w, hessian.diagonal(), seed=seed) if start is None else start
     n_groups, d_in_padded = packed_shape(w.shape)
     t = table.float()
-    sf = torch.ones(n_groups * GROUP)
+    on = w.device
+    sf = torch.ones(n_groups * GROUP, device=on)
     sf[:d_out] = scale.float().reshape(-1)
-    codes = torch.empty(n_groups, d_in_padded, dtype=torch.int64)
-    signs = torch.zeros(n_groups, d_in_padded, GROUP, dtype=torch.bool)
+    codes = torch.empty(n_groups, d_in_padded, dtype=torch.int64, device=on)
+    signs = torch.zeros(n_groups, d_in_padded, GROUP, dtype=torch.bool, device=on)
     # padding columns hold zeros, as encode() writes them
-    codes[:, d_in:] = nearest_centroid(torch.zeros(1, GROUP), table)[0]
+    codes[:, d_in:] = nearest_centroid(torch.zeros(1, GROUP, device=on), table)[0]
 
     def quant_col(k: int, col: torch.Tensor) -> torch.Tensor:
-        v = torch.zeros(n_groups * GROUP)
+        v = torch.zeros(n_groups * GROUP, device=on)
         v[:d_out] = col
         v = (v / sf).view(n_groups, GROUP)
         q = _nearest_columns(v.abs().T.contiguous(), table)

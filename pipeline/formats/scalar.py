@@ -121,7 +121,7 @@ def subsample(values: torch.Tensor, max_values: int, seed: int) -> torch.Tensor:
     if values.numel() <= max_values:
         return values
     gen = torch.Generator().manual_seed(seed)
-    return values[torch.randint(values.numel(), (max_values,), generator=gen)]
+    return values[torch.randint(values.numel(), (max_values,), generator=gen, device=gen.device).to(values.device)]
 
 
 def lloyd_max_1d(values: torch.Tensor, weights: torch.Tensor | None = None, *, levels: int = N_LEVELS,
@@ -132,7 +132,7 @@ def lloyd_max_1d(values: torch.Tensor, weights: torch.Tensor | None = None, *, l
     order = torch.argsort(v)
     v, wts = v[order], wts[order]
     cdf = torch.cumsum(wts, 0) / wts.sum()
-    targets = (torch.arange(levels, dtype=torch.float64) + 0.5) / levels
+    targets = (torch.arange(levels, dtype=torch.float64, device=v.device) + 0.5) / levels
     code = v[torch.searchsorted(cdf, targets).clamp(max=v.numel() - 1)]
     assign = None
     for _ in range(max_iter):
@@ -140,8 +140,8 @@ def lloyd_max_1d(values: torch.Tensor, weights: torch.Tensor | None = None, *, l
         new = torch.bucketize(v, (code[1:] + code[:-1]) / 2)
         changed = v.numel() if assign is None else int((new != assign).sum())
         assign = new
-        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, new, wts)
-        total = torch.zeros(levels, dtype=torch.float64).index_add_(0, new, wts * v)
+        mass = torch.zeros(levels, dtype=torch.float64, device=v.device).index_add_(0, new, wts)
+        total = torch.zeros(levels, dtype=torch.float64, device=v.device).index_add_(0, new, wts * v)
         filled = mass > 0
         code[filled] = total[filled] / mass[filled]
         if changed <= tol * v.numel():
@@ -150,7 +150,7 @@ def lloyd_max_1d(values: torch.Tensor, weights: torch.Tensor | None = None, *, l
     # Keep code points distinct so the nearest-code rule stays well defined.
     for i in range(1, levels):
         if code[i] <= code[i - 1]:
-            code[i] = torch.nextafter(code[i - 1], torch.tensor(math.inf))
+            code[i] = torch.nextafter(code[i - 1], torch.tensor(math.inf, device=code.device))
     return code
 
 
@@ -183,7 +183,7 @@ def search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = None, *,
     Per block: the clipping grid, then least squares, each block keeping its best candidate; lloyd-max
     (``block is None``, code points fitted to the data) also refits its code points, weighted, on the
     searched normalisation, alternating ``rounds`` times."""
-    w, hb = _parts(fmt, weight, numerics.weights(importance, weight.shape[1]))
+    w, hb = _parts(fmt, weight, numerics.weights(importance, weight))
     codepoints = (fmt.fit(weight, seed=seed)["codepoints"] if codepoints is None else codepoints).float()
     absmax = w.abs().amax(-1)
 
@@ -224,8 +224,9 @@ def search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = None, *,
             keep = wt > 0
             u, wt = u[keep], wt[keep]
             if u.numel() > numerics.KMEANS_VECTORS:
-                idx = torch.randperm(u.numel(), generator=torch.Generator().manual_seed(seed))[:numerics.KMEANS_VECTORS]
-                u, wt = u[idx], wt[idx]
+                gen = torch.Generator().manual_seed(seed)
+                idx = torch.randperm(u.numel(), generator=gen, device=gen.device)[:numerics.KMEANS_VECTORS]
+                u, wt = u[idx.to(u.device)], wt[idx.to(u.device)]
             codepoints = lloyd_max_1d(u, wt)
     return best_total[1], best_total[2]
 
@@ -240,7 +241,7 @@ def gptq_pack(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0
     codepoints, scale = search(fmt, w, hessian.diagonal(), seed=seed) if start is None else start
     block = fmt.block or d_in
     sf = scale.float()
-    codes = torch.zeros(d_out, d_in, dtype=torch.int64)
+    codes = torch.zeros(d_out, d_in, dtype=torch.int64, device=w.device)
 
     def quant_col(k: int, col: torch.Tensor) -> torch.Tensor:
         s = sf[:, k // block]

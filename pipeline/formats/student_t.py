@@ -32,13 +32,13 @@ class StudentT(Scalar6):
         check_weight(weight)
         w = blocked(weight.detach(), self.block)
         u = (w / channel_scale(w, self.qmax).float()).reshape(weight.shape[0], -1)[:, :weight.shape[1]]
-        u = subsample(u, self.MAX_SAMPLES, seed).double()   # padding excluded: it is not data
+        u = subsample(u, self.MAX_SAMPLES, seed).double().cpu()   # padding excluded: it is not data; a CPU state
         dof, sigma = self.fit_distribution(u)
-        grid = torch.linspace(-1, 1, 4001, dtype=torch.float64)
+        grid = torch.linspace(-1, 1, 4001, dtype=torch.float64, device="cpu")
         density = self.log_density(grid, dof, sigma).exp()
         return {"codepoints": lloyd_max_1d(grid, density),
-                "dof": torch.tensor(dof, dtype=torch.float32),
-                "sigma": torch.tensor(sigma, dtype=torch.float32)}
+                "dof": torch.tensor(dof, dtype=torch.float32, device="cpu"),
+                "sigma": torch.tensor(sigma, dtype=torch.float32, device="cpu")}
 
     @staticmethod
     def log_density(x: torch.Tensor, dof: float, sigma: torch.Tensor | float) -> torch.Tensor:
@@ -47,7 +47,7 @@ class StudentT(Scalar6):
 
     def fit_distribution(self, u: torch.Tensor) -> tuple[float, float]:
         """Maximum-likelihood (dof, sigma) of a Student-t truncated to [-1, 1], over a grid."""
-        grid = torch.linspace(-1, 1, 1001, dtype=torch.float64)
+        grid = torch.linspace(-1, 1, 1001, dtype=torch.float64, device="cpu")
         sigma = self.SCALE_GRID[:, None]
         best = (-math.inf, 0.0, 0.0)
         for dof in self.DOF_GRID:
