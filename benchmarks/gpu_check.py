@@ -321,7 +321,7 @@ class StepLog:
 
     def log_metric(self, name: str, value) -> None:
         if not StepLog.records or StepLog.records[-1]["step"] != self.step:
-            StepLog.records.append({"step": self.step})
+            StepLog.records.append({"step": self.step, "clock_s": round(time.perf_counter(), 3)})
         StepLog.records[-1][name] = float(value)
 
     def next_step(self) -> None:
@@ -436,16 +436,88 @@ def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: Phase
             "max_memory_allocated_gb": phases.records["generate_shard"].get("max_memory_allocated_gb")}
 
 
-def predicted(preset: str, batch: int, seq: int) -> dict:
+def predicted(preset: str, batch: int, seq: int, steps: int = 1, response_tokens: int = 0) -> dict:
+    """The memory model's QAT bytes for this check's run: with the teacher's logits cached (``qat.teacher_logits:
+    cache``, on the GPU) for ``steps x batch`` sequences of ``response_tokens`` scored tokens."""
     import skeleton_11b as S
 
     cfg = S.skeleton_config(S.PRESETS[preset])
+    cache = steps * batch * response_tokens * (cfg.text_config.vocab_size + 1) * 2
     m = S.qat_memory(cfg, devices=1, workload=S.Workload(batch, seq, cfg.vision_config.max_num_tiles),
-                     compute_bytes=2, teacher="replicate", checkpointing=True)
+                     compute_bytes=2, teacher="replicate", checkpointing=True, kl_cache_bytes=cache)
     return {"total_gb": round(m["total"] / 1e9, 2), "parts_gb": {k: round(v / 1e9, 2) for k, v in m["parts"].items()}}
 
 
 CHECKS = ("cast", "qat", "generate")
+REPORT = ROOT / "reports" / "gpu_check"
+
+
+def step_seconds(qat: dict) -> float | None:
+    """Median seconds between logged steps (after the first: it carries the warm-up and the KL cache)."""
+    clocks = [r["clock_s"] for r in qat.get("step_metrics", []) if "clock_s" in r]
+    gaps = sorted(b - a for a, b in zip(clocks, clocks[1:]))
+    return round(gaps[len(gaps) // 2], 3) if gaps else None
+
+
+def write_report(files: list[Path], env: str = "") -> None:
+    """``reports/gpu_check.{json,md}`` from result files of this script (run on a GPU machine)."""
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    for r in runs:
+        q = r.get("qat", {})
+        if "steps" in q:
+            q["seconds_per_step_steady"] = step_seconds(q)
+            # the memory model as it is now (a prediction, recomputed: the runs may predate a term)
+            tokens = q["step_metrics"][0]["train/tokens"] / q["batch"] if q.get("step_metrics") else q["seq"]
+            r["predicted_qat"] = predicted(r["preset"], q["batch"], q["seq"], q["steps"], tokens)
+    doc = {"runs": runs, "machine": env.strip()}
+    REPORT.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = ["# The skeleton on one GPU: direct cast, QAT, teacher-generate", "",
+             "Written by `benchmarks/gpu_check.py --report` from runs of `benchmarks/gpu_check.sh` on a lent GPU "
+             "machine (numbers: `reports/gpu_check.json`).", ""]
+    if env.strip():
+        lines += ["```", env.strip(), "```", ""]
+    for r in runs:
+        lines += [f"## Run: preset {r['preset']}, {r['device']}, torch {r['torch']}, "
+                  f"{r['cpu_threads']} CPU threads, {r.get('seconds')} s", ""]
+        c = r.get("cast")
+        if c and "error" not in c:
+            lines += [f"Direct cast ({c['method']}, synthetic X^T X, every matrix on {c['device']}): {c['matrices']} "
+                      f"matrices, {c['weights'] / 1e9:.3f} B weights in {c['seconds']:.1f} s.", "",
+                      "| shape | seconds |", "|---|---:|"]
+            lines += [f"| {k} | {v} |" for k, v in c["seconds_by_shape"].items()]
+            lines += ["", "Llama 3.2 11B Vision's direct cast from these seconds (its matrices by shape, dealt as "
+                      "stage direct-cast deals them):", "", "| processes | seconds |", "|---:|---:|"]
+            lines += [f"| {p['processes']} | {p['seconds']} |" for p in c["predicted_11b"]]
+            cmp_ = c.get("cpu_vs_device", {})
+            if "error" not in cmp_ and cmp_:
+                lines += ["", f"One matrix on both ({cmp_['matrix']}, {cmp_['shape']}): CPU ({cmp_['threads']} "
+                          f"threads) {cmp_['cpu_seconds']} s, GPU {cmp_['device_seconds']} s; packed bytes equal "
+                          f"{cmp_['packed_bytes_equal']:.4f}, scales {cmp_['scales_equal']:.4f}, tables "
+                          f"{cmp_['tables_equal']}, masters {cmp_['masters_equal']:.4f}; relative output error "
+                          f"{cmp_['relative_output_error_cpu']:.6f} (CPU) / {cmp_['relative_output_error_device']:.6f} "
+                          "(GPU)."]
+            lines += [""]
+        q = r.get("qat")
+        if q and "error" not in q:
+            pred = r.get("predicted_qat", {})
+            steady = q.get("seconds_per_step_steady")
+            steady = f"{steady} s per step after the first" if steady else "step times not recorded by that run"
+            ratio = q["max_memory_allocated_gb"] / pred["total_gb"] if pred.get("total_gb") else float("nan")
+            lines += [f"QAT (FSDP2, 1 process, bf16 compute, gradient checkpointing, init {q['init']}): {q['steps']} "
+                      f"steps of {q['batch']} x {q['seq']} tokens; {q['steps_per_s']} steps/s over the whole train "
+                      f"phase, {steady}; KL {q['summary']['kl_first']:.4f} -> {q['step_metrics'][-1]['train/kl']:.4f}; "
+                      f"peak {q['max_memory_allocated_gb']} GB allocated, the memory model {pred.get('total_gb')} GB "
+                      f"(measured / predicted {ratio:.2f}; "
+                      f"{', '.join(f'{k} {v}' for k, v in pred.get('parts_gb', {}).items())}).", ""]
+        g = r.get("generate")
+        if g and "error" not in g:
+            lines += [f"Teacher-generate (bf16, sampled): {g['prompts']} prompts x {g['max_new_tokens']} new tokens, "
+                      f"{g['tokens_per_s']} tokens/s, peak {g['max_memory_allocated_gb']} GB.", ""]
+        for k in CHECKS:
+            if k in r and "error" in r[k]:
+                lines += [f"{k}: failed: {r[k]['error']}", ""]
+    REPORT.with_suffix(".md").write_text("\n".join(lines))
+    print(f"gpu_check: wrote {REPORT.with_suffix('.md')} and .json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,7 +534,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-prompts", type=int, default=8)
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--fit", action="store_true", help="fit every matrix (slow on few cores)")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="RESULT",
+                        help="write reports/gpu_check.{json,md} from result files of earlier runs; run nothing")
+    parser.add_argument("--env", type=Path, help="with --report: a text file describing the GPU machine")
     args = parser.parse_args(argv)
+    if args.report:
+        write_report(args.report, args.env.read_text() if args.env else "")
+        return 0
     checks = [c for c in args.checks.split(",") if c]
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
@@ -508,8 +586,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         print(f"gpu_check: {name}: {json.dumps(result[name], default=str)[:1500]}", flush=True)
         save()
-    if "qat" in checks:
-        result["predicted_qat"] = predicted(args.preset, args.batch, args.seq)
+    if "qat" in checks and "error" not in result["qat"]:
+        logged = result["qat"]["step_metrics"]
+        tokens = logged[0]["train/tokens"] / args.batch if logged else args.seq       # else: a bound
+        result["predicted_qat"] = predicted(args.preset, args.batch, args.seq, args.steps, tokens)
     save()
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}, indent=1, default=str))
     print(f"gpu_check: wrote {out}")

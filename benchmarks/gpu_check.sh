@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The 11B-shaped skeleton on one CUDA GPU: a few QAT steps (FSDP2, bf16) and a teacher-generate shard; writes
-# throughput (steps/s, tokens/s) and torch.cuda.max_memory_allocated per phase to a JSON
+# The 11B-shaped skeleton on one CUDA GPU: stage direct-cast's GPTQ cast on the GPU, a few QAT steps from it
+# (FSDP2, bf16) and a teacher-generate shard; seconds and torch.cuda.max_memory_allocated per phase to a JSON
 # ($OUT/gpu_check.json, else checkpoints/skeleton-11b/gpu_check.json; --out FILE to choose).
-#   benchmarks/gpu_check.sh [--steps 4] [--batch 4] [--seq 512] [--gen-prompts 8] [--gen-tokens 64] [--fit]
+#   benchmarks/gpu_check.sh [--checks cast,qat,generate] [--method gptq] [--steps 4] [--batch 4] [--seq 512]
+#   benchmarks/gpu_check.sh --device cpu --preset tiny          # the same code without a GPU
+#   benchmarks/gpu_check.sh --report RESULT.json... [--env MACHINE.txt]   # -> reports/gpu_check.{json,md}
 # Exits 2 with a message when no GPU is visible. See benchmarks/gpu_check.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -273,13 +273,14 @@ def build(out: str | Path, s: Size, seed: int = 0, max_shard_size: str = "2GB") 
 
 def qat_memory(config, *, devices: int = 8, workload: Workload | None = None, compute_bytes: int = 2,
                teacher: str = "shard", checkpointing: bool = True, teacher_bytes: int = 2,
-               counts: dict | None = None, strategy: str = "fsdp2") -> dict:
+               counts: dict | None = None, strategy: str = "fsdp2", kl_cache_bytes: float = 0) -> dict:
     """Per-device bytes of one QAT step by term (``pipeline.memory_plan.qat_device``, the plan's model), with
     ``host_load``: the host RAM rank 0 needs to load the fp32 student and the teacher."""
     counts = counts or count_params(config)
     w = workload or Workload(micro_batch=4, seq=512, tiles=config.vision_config.max_num_tiles)
     parts = qat_device(config, counts, devices=devices, workload=w, compute_bytes=compute_bytes, strategy=strategy,
-                       teacher=teacher, checkpointing=checkpointing, teacher_bytes=teacher_bytes)
+                       teacher=teacher, checkpointing=checkpointing, teacher_bytes=teacher_bytes,
+                       kl_cache_bytes=kl_cache_bytes)
     P = counts["total"]
     return {"parts": parts, "total": sum(parts.values()), "host_load": P * (4 + teacher_bytes), "params": P,
             "workload": dataclasses.asdict(w), "devices": devices, "teacher": teacher, "checkpointing": checkpointing,
