@@ -643,13 +643,15 @@ def check_qat(rec: dict, counts: dict, base: float) -> dict:
                        checkpointing=rec["gradient_checkpointing"], counts=counts)
     rank0 = rec["ranks"][0]["phases"]
     teacher_full = 2 * P
-    teacher_kept = model["parts"]["teacher"]
+    # outside a step the sharded teacher holds its shard only (no units gathered)
+    teacher_rest = teacher_full / world if rec["teacher"] == "shard" else teacher_full
     predicted = {
         "load_teacher": base * GB + teacher_full,
         # rank 0: the whole fp32 student it loads (the other ranks never hold it) and its own shards filled from it
-        "load_student": base * GB + teacher_kept + 4 * P + 4 * P / world,
+        "load_student": base * GB + teacher_rest + 4 * P + 4 * P / world,
         "train": base * GB + model["total"],
-        "save_student": base * GB + teacher_kept + 16 * P / world + 4 * P,   # rank 0 gathers the whole student
+        # rank 0 gathers the whole student, and save_pretrained's safetensors serialiser copies it to bytes
+        "save_student": base * GB + teacher_rest + 16 * P / world + 4 * P + 4 * P,
     }
     rows = []
     for phase, pred in predicted.items():
@@ -861,9 +863,11 @@ NOTES = [
     "N(0, 0.02), norms 1, tanh gates 1, the padding row 0), then `save_pretrained` in 2 GB shards: one bf16 copy.",
     "Pack: a direct cast with the format's own absmax encoder (`fmt.pack`) through `write_model_dir` (HF directory, "
     "config in the metadata): the encoder's peak, not the pack-safetensors stage's (which now copies stage "
-    "direct-cast's packed files). Its peak, sampled at the token embedding: 2.0 GB of the input shard's pages mapped "
-    "by safetensors (RssFile) and ~10 B per weight of the largest matrix in private memory; the model "
-    "(`step_host`) counts 7 B per weight and no mapped pages, hence the ratio near 2.",
+    "direct-cast's packed files). Its peak, at the token embedding: the embedding's bf16 pages mapped by safetensors "
+    "(RssFile, 2 B a weight), its fp32 copy and its packed bytes. `CheckpointReader.get` opens a handle per tensor, "
+    "so a tensor's pages leave the process with it (a cached handle once kept every page read: 2 GB at the peak, "
+    "the whole checkpoint by the end), and the encoder's finiteness check reads min and max instead of a full-size "
+    "mask (that mask's temporaries were 3.4 GB at the embedding).",
     "QAT ran on the reduction `qat` (2 CPU processes, gloo, FSDP2, fp32 compute, teacher sharded, gradient "
     "checkpointing, 3 steps of 2 sequences of 128 tokens): every 11B matrix shape except the vocabulary's "
     "(16,384 rows instead of 128,256), 1 text layer (cross-attention), 1 + 1 vision layers, 1 tile. The full "
@@ -874,8 +878,10 @@ NOTES = [
     "(the 0.63 GB file) and its forward peaks near 3 GB (each packed weight decoded in row blocks, lm_head "
     "included); eager holds its ~8 GB of decoded weights and peaks at load, where every weight is decoded.",
     "The memory model's activation terms are estimates (element counts per token and layer, SDPA without stored "
-    "attention probabilities); the parameter terms are exact byte counts. On the CPU skeleton the train phase also "
-    "holds fp32 fake-quant temporaries of the largest gathered unit and allocator slack, hence the ratio above 1.",
+    "attention probabilities); the parameter terms are exact byte counts. With checkpointing the unit being "
+    "recomputed holds its fake-quantised weights for its backward (counted); the train ratio left above 1 is the "
+    "fake-quant's transient temporaries and allocator slack. At save, safetensors' serialiser copies rank 0's "
+    "gathered fp32 student to bytes (counted: 8 B a parameter on rank 0's host).",
 ]
 
 

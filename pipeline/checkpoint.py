@@ -113,8 +113,13 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._files:
             raise KeyError(f"{self.path}: no tensor {name!r}")
+        # a handle of its own, dropped at once: the tensor alone keeps its pages mapped, so they leave the
+        # process's memory with it (a cached handle would keep every page ever read resident: the whole checkpoint)
+        file = self._files[name]
+        self._open(file)                   # a readable file, or the one-line error
         try:
-            return self._open(self._files[name]).get_tensor(name)
+            with safe_open(str(file), framework="pt") as f:
+                return f.get_tensor(name)
         except Exception as e:
             raise ValueError(f"{self._files[name]}: cannot read tensor {name!r} ({e})") from None
 

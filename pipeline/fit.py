@@ -43,9 +43,15 @@ def fit_model(fmt: FormatBase, source: str, seed: int = 0) -> tuple[dict[str, St
                 state = fmt.fit(weight, seed=seed)
             except ValueError as e:
                 raise ValueError(f"{root}: tensor {saved!r}: {e}") from None
-            sq_err = (fmt.quantize(weight, state) - weight).pow(2)
-            zero_rows = weight.abs().amax(dim=1) == 0
-            e, zero_err = sq_err[~zero_rows].sum().item(), sq_err[zero_rows].sum().item()
+            # in place, and no full-size mask or copy where no row is zero: a matrix at a time, the largest one
+            # sets the stage's memory (three float32 copies of it)
+            sq_err = fmt.quantize(weight, state).sub_(weight).pow_(2)
+            zero_rows = (weight.amax(dim=1) == 0) & (weight.amin(dim=1) == 0)
+            if bool(zero_rows.any()):
+                e, zero_err = sq_err[~zero_rows].sum().item(), sq_err[zero_rows].sum().item()
+            else:
+                e, zero_err = sq_err.sum().item(), 0.0
+            del sq_err
             w2 = weight.pow(2).sum().item()
             bpp = fmt.bits_per_param(tuple(weight.shape))
             states[saved.removesuffix(".weight")] = state

@@ -136,7 +136,8 @@ def qat_device(config, counts: dict, *, devices: int, workload: Workload, comput
              "masters_fp32": 4 * P / shards, "grads_fp32": 4 * P / shards + (4 * unit if shards > 1 else 0),
              "adamw": 8 * P / shards, "gathered_units": 2 * 4 * unit if shards > 1 else 0}
     linear_q = counts["quantised"] - counts["embed"]
-    saved = counts["lm_head"] + counts["projector"] if checkpointing else linear_q
+    # with checkpointing the unit being recomputed holds its fake-quantised weights for its own backward
+    saved = counts["lm_head"] + counts["projector"] + unit if checkpointing else linear_q
     parts["saved_quantised_weights"] = compute_bytes * saved
     act = activation_bytes(config, counts, workload, compute_bytes, checkpointing)
     parts["activations"], parts["logits"] = act["layers"], act["logits"]
@@ -151,10 +152,13 @@ def step_host(counts: dict, file_bytes: float | None = None) -> dict:
     P, Q, big = counts["total"], counts["quantised"], counts["largest_matrix"]
     other = P - Q
     packed = file_bytes if file_bytes is not None else Q / 3 + 2 * other
-    return {"fit": 4 * big * 4,                  # the matrix in fp32, its fake-quantised copy, the error, samples
-            "pack": big * (2 + 4 + 1),           # the bf16 tensor read, its fp32 copy, the packed bytes
+    # a tensor read maps its bf16 pages (2 bytes a weight) for as long as it lives (pipeline.checkpoint)
+    return {"fit": big * 3 * 4,                  # the fp32 matrix (its pages go with the bf16 tensor), its squared
+            #                                      error, the error's rows without the all-zero ones (a padding row)
+            "pack": big * (2 + 4 + 1 / 3),       # its pages, the fp32 copy the encoder reads, the packed bytes
             "load_lazy": packed + 2 * other,     # packed bytes + the bf16 rest upcast to fp32
-            "load_eager": 4 * P + 4 * big}       # every weight decoded to fp32, plus the largest one's temporaries
+            "load_eager": 4 * P + big * (1 + 1 / 3)}   # every weight decoded to fp32; the largest one's INT8
+    #                                                    decode and its packed pages on top
 
 
 # --- the plan -------------------------------------------------------------------------------------------------------
@@ -223,6 +227,8 @@ def plan(params: dict, config=None, counts: dict | None = None) -> list[Phase]:
     rank0_teacher = tb * P if launch.teacher == "shard" and launch.strategy == "fsdp2" else per_node * tb * P
     phases.append(Phase("qat-train", "load", host={"student_fp32_rank0": 4 * P, "teacher_load": rank0_teacher}))
     phases.append(Phase("qat-train", "train", device=device))
+    # rank 0 gathers the fp32 student on the host and save_pretrained's safetensors serialiser copies it to bytes
+    phases.append(Phase("qat-train", "save", host={"student_fp32_rank0": 4 * P, "serialised_copy": 4 * P}))
 
     phases.append(Phase("pack-safetensors", "largest matrix", host={"pack": host["pack"]}))
     phases.append(Phase("eval", "lazy load", host={"packed_model": per_node * host["load_lazy"]}))

@@ -354,9 +354,9 @@ def s3d8_encode(weight: torch.Tensor, table: torch.Tensor, threads: int | None =
         weight = weight.float()
     weight = _check(weight.detach(), "weight", torch.float32, (2,))
     d_out, d_in = _check_shape(weight.shape, "weight")
-    finite = torch.isfinite(weight)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero()
+    # amax / amin carry a NaN or an Inf through without a full-size temporary (isfinite makes several)
+    if weight.numel() and not bool(torch.isfinite(weight.amax()) & torch.isfinite(weight.amin())):
+        bad = (~torch.isfinite(weight)).nonzero()
         r, c = (int(i) for i in bad[0])
         raise ValueError(f"weight: {bad.shape[0]} non-finite value(s) (NaN or +-Inf), the first "
                          f"{float(weight[r, c])} at [{r}, {c}]; S3D8 encodes finite weights only")

@@ -231,13 +231,17 @@ def decode_int8(packed: torch.Tensor, table: torch.Tensor, shape) -> torch.Tenso
     return w.reshape(-1, b.shape[1])[:d_out, :d_in]
 
 
-def decode(packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, shape) -> torch.Tensor:
-    """Decode to ``float32 [d_out, d_in]``: the INT8 value times its channel scale."""
+def decode(packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, shape, *,
+           use_native: bool | None = False) -> torch.Tensor:
+    """Decode to ``float32 [d_out, d_in]``: the INT8 value times its channel scale. ``use_native=None``: the INT8
+    step on the native decoder when it is built and the bytes lie on the CPU (the same bits, and 1 byte a weight of
+    temporaries where the reference's int64 indices take 8)."""
     d_out, _ = check_shape(shape)
     if not isinstance(scale, torch.Tensor) or scale.numel() != d_out:
         raise ValueError(f"scale: expected {d_out} channel scales, got "
                          f"{list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
-    return decode_int8(packed, table, shape).float() * scale.reshape(d_out, 1).float()
+    w = decode_int8_auto(packed, table, shape, use_native=use_native).float()
+    return w.mul_(scale.reshape(d_out, 1).float().to(w.device))
 
 
 def quantize(weight: torch.Tensor, table: torch.Tensor, *, use_native: bool | None = None) -> torch.Tensor:
@@ -252,7 +256,7 @@ def quantize(weight: torch.Tensor, table: torch.Tensor, *, use_native: bool | No
     d_out, d_in = weight.shape
     if _native_for(weight, use_native) is not None:
         packed, scale = encode_auto(weight, table)
-        w = decode_int8_auto(packed, table, (d_out, d_in)).float() * scale.float()
+        w = decode_int8_auto(packed, table, (d_out, d_in)).float().mul_(scale.float())
         return straight_through(weight, w.to(weight.dtype))
     scale = weight_scale(weight)
     t = table.float().to(weight.device)
@@ -567,7 +571,7 @@ class S3D8(FormatBase):
         return {"packed": packed.reshape(-1), "scale": scale, "table": state["table"]}
 
     def unpack(self, tensors: dict[str, torch.Tensor], shape) -> torch.Tensor:
-        return decode(tensors["packed"], tensors["scale"], tensors["table"], shape)
+        return decode(tensors["packed"], tensors["scale"], tensors["table"], shape, use_native=None)
 
     def file_metadata(self) -> dict[str, str]:
         return {"llama_mobile_format": LAYOUT}
