@@ -646,7 +646,8 @@ def check_qat(rec: dict, counts: dict, base: float) -> dict:
     # outside a step the sharded teacher holds its shard only (no units gathered)
     teacher_rest = teacher_full / world if rec["teacher"] == "shard" else teacher_full
     predicted = {
-        "load_teacher": base * GB + teacher_full,
+        # rank 0 reads the whole teacher and, on the CPU, keeps its own shard beside it in host memory
+        "load_teacher": base * GB + teacher_full + (teacher_rest if rec["teacher"] == "shard" else 0),
         # rank 0: the whole fp32 student it loads (the other ranks never hold it) and its own shards filled from it
         "load_student": base * GB + teacher_rest + 4 * P + 4 * P / world,
         "train": base * GB + model["total"],
