@@ -351,8 +351,10 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     from pipeline.launch import LaunchParams
     from pipeline.models import load_processor
 
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port())}.items():
+    rendezvous = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(_free_port())}
+    before = {key: os.environ.get(key) for key in rendezvous}       # restored after: later processes start clean
+    for key, value in rendezvous.items():
         os.environ.setdefault(key, value)
     d = S.dirs(preset)
     fmt = formats.get("s3d8")
@@ -397,6 +399,11 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
         phases.exit()
         for k, v in orig.items():
             setattr(engine, k, v)
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     train = phases.records["qat_train"]
     tokens = batch * seq * steps
     return {"steps": steps, "batch": batch, "seq": seq, "init": p.init, "summary": summary, "dvclive": logger,

@@ -151,6 +151,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "dvclive", None)          # as on a GPU machine without dvc
     monkeypatch.setattr(gpu_check.StepLog, "records", [])
     out = tmp_path / "gpu_check.json"
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    before = {k: os.environ.get(k) for k in keys}
     assert gpu_check.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--batch", "2", "--seq", "48",
                            "--gen-prompts", "2", "--gen-tokens", "2", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -161,3 +163,4 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     DirectCast(cast["out_dir"], formats.get("s3d8"))                   # a direct cast the stage's reader takes
     assert r["qat"]["init"] == "ptq" and [m["step"] for m in r["qat"]["step_metrics"]] == [1, 2]
     assert r["generate"]["generated_tokens"] > 0
+    assert {k: os.environ.get(k) for k in keys} == before       # no rendezvous left for later stages to trip on
