@@ -256,7 +256,7 @@ def quantize(weight: torch.Tensor, table: torch.Tensor, *, use_native: bool | No
     d_out, d_in = weight.shape
     if _native_for(weight, use_native) is not None:
         packed, scale = encode_auto(weight, table)
-        w = decode_int8_auto(packed, table, (d_out, d_in)).float().mul_(scale.float())
+        w = decode(packed, scale, table, (d_out, d_in), use_native=None)
         return straight_through(weight, w.to(weight.dtype))
     scale = weight_scale(weight)
     t = table.float().to(weight.device)
