@@ -819,11 +819,25 @@ def model_11b(base_gb: float = 0.3) -> dict:
 STEPS = ["build", "fit", "pack", "load_lazy", "load_eager", "generate_lazy", "generate_eager"]
 
 
+def cpu_name() -> str:
+    """The CPU's model name and its SIMD flags that matter here, from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU unknown"
+    name = re.search(r"model name\s*:\s*(.*)", info)
+    flags = set((re.search(r"flags\s*:\s*(.*)", info) or re.search(r"Features\s*:\s*(.*)", info)).group(1).split())
+    simd = [f for f in ("avx2", "avx512f", "avx512vbmi", "avx512_vnni", "amx_tile", "asimddp", "i8mm") if f in flags]
+    return f"{name.group(1).strip() if name else 'CPU'} ({', '.join(simd) or 'no AVX2'})"
+
+
 def run_all(only: list[str] | None = None, gen_tokens: int = 3) -> dict:
     data = json.loads(REPORT_JSON.read_text()) if REPORT_JSON.exists() else {}
     data.setdefault("steps", {})
     import platform
-    data["machine"] = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GB:.0f} GB RAM, {platform.processor() or platform.machine()}, torch {torch.__version__}, no GPU"
+    data["machine"] = (f"{cpu_name()}, {os.cpu_count()} cores, "
+                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GB:.0f} GB RAM, "
+                       f"{platform.machine()}, torch {torch.__version__}, no GPU")
     data["base_rss_gb"] = round(base_rss_gb(), 3)
     plan = only or STEPS + ["build_qat", "states_qat", "qat"]
     for name in plan:
