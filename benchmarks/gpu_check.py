@@ -349,6 +349,7 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     from pipeline import formats
     from pipeline.direct_cast import DirectCast
     from pipeline.launch import LaunchParams
+    from pipeline.params import defaults
     from pipeline.models import load_processor
 
     rendezvous = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -384,11 +385,11 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     logger = ensure_dvclive()
     engine.teacher, engine.student, engine.save_student = teacher_hook, student_hook, save_hook
     cuda = phases.device.type == "cuda"
-    launch = LaunchParams(num_processes=1, backend="nccl" if cuda else "gloo", strategy="fsdp2",
-                          compute_dtype="bfloat16", gradient_checkpointing=True, teacher="replicate")
+    launch = defaults(LaunchParams, "launch", num_processes=1, backend="nccl" if cuda else "gloo", strategy="fsdp2",
+                      compute_dtype="bfloat16", gradient_checkpointing=True, teacher="replicate")
     start = DirectCast(cast_dir, fmt).start if cast_dir else None
-    p = qt.QATParams(steps=steps, batch_size=batch, grad_accum=1, max_seq_len=seq, checkpoint_every=10**6, threads=0,
-                     init="ptq" if start else "teacher")
+    p = defaults(qt.QATParams, "qat", steps=steps, batch_size=batch, grad_accum=1, max_seq_len=seq,
+                 checkpoint_every=10**6, threads=0, init="ptq" if start else "teacher")
     work = d["model"].parent / "gpu_qat"
     phases.enter("qat_load_teacher")
     try:
@@ -422,6 +423,7 @@ def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: Phase
     import pipeline.toy  # noqa: F401
     import skeleton_11b as S
     from pipeline.generate import GenerateParams, generate_shard
+    from pipeline.params import defaults
     from pipeline.models import load_model, load_processor
 
     d = S.dirs(preset)
@@ -432,7 +434,8 @@ def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: Phase
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
     table = pa.table({"index": list(range(prompts)), "image_ref": [f"toy:0:{i}" for i in range(prompts)],
                       "prompt": [prompt] * prompts, "template": ["chat"] * prompts, "seed": [0] * prompts})
-    p = GenerateParams(batch_size=prompts, max_new_tokens=max_new_tokens, temperature=0.6, top_p=0.9, threads=0)
+    p = defaults(GenerateParams, "generate", batch_size=prompts, max_new_tokens=max_new_tokens, temperature=0.6,
+                 top_p=0.9, threads=0)
     phases.enter("generate_shard")
     rows = generate_shard(model, processor, table, p, shard_seed=0)
     phases.exit()

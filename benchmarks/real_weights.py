@@ -46,6 +46,10 @@ import torch
 
 from pipeline import formats, ptq
 from pipeline.formats import numerics, s3d8, scalar
+from pipeline.params import defaults
+
+DEFAULT_METHOD = defaults(ptq.PackParams, "pack").method
+"""The pipeline's post-training method (``pack.method`` in params.yaml)."""
 
 KINDS = {
     "attention.self.query": "attn.q", "attention.self.key": "attn.k", "attention.self.value": "attn.v",
@@ -329,7 +333,7 @@ def main() -> None:
     result = {"model": MODELS[args.model]["title"], "model_key": args.model, "text": MODELS[args.model]["text"],
               "layers": args.layers,
               "sequences": args.sequences, "seed": args.seed, "threads": args.threads,
-              "default_method": ptq.DEFAULT_METHOD, "alphas": list(numerics.ALPHAS), "rounds": numerics.ROUNDS,
+              "default_method": DEFAULT_METHOD, "alphas": list(numerics.ALPHAS), "rounds": numerics.ROUNDS,
               "calibration_seconds": round(calib_s, 2), "gaussian_reference": reference,
               "kurtosis": kurtosis(state, args.layers),
               "summary": summary, "rows": rows,
@@ -377,7 +381,7 @@ def summarise(rows, fmts) -> dict:
                 cell[f"{f}/{m}"]["weight_mean"] for m in ("absmax", "search")) for f in fmts if f != "s3d8")}}
         # output error (what the default, gptq with calibration data, minimises): every format at its best method
         if all("output" in c for c in cell.values()):
-            d = cell[f"s3d8/{ptq.DEFAULT_METHOD}"]["output"]
+            d = cell[f"s3d8/{DEFAULT_METHOD}"]["output"]
             others = {f: min(cell[f"{f}/{m}"]["output"] for m in METHODS) for f in fmts if f != "s3d8"}
             out[kind]["output_bar"] = {"s3d8_default": d, "best_other": others,
                                        "below_every_other": all(d < v for v in others.values()),

@@ -498,6 +498,7 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
     import pipeline.toy  # noqa: F401  (the toy image pool)
     from pipeline import formats
     from pipeline.launch import LaunchParams
+    from pipeline.params import defaults
     from pipeline.models import load_processor
     from pipeline.stage import set_threads
 
@@ -535,10 +536,10 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
     engine.student, engine.save_student = student_hook, save_hook
     if rank == 0:
         shutil.rmtree(d["qat"], ignore_errors=True)
-    launch = LaunchParams(num_processes=world, backend="gloo", strategy="fsdp2", compute_dtype="float32",
-                          gradient_checkpointing=ckpt, teacher=teacher)
-    p = qt.QATParams(steps=steps, batch_size=2 * world, grad_accum=1, max_seq_len=seq, checkpoint_every=1000, init="teacher",
-                     threads=1)
+    launch = defaults(LaunchParams, "launch", num_processes=world, backend="gloo", strategy="fsdp2",
+                      compute_dtype="float32", gradient_checkpointing=ckpt, teacher=teacher)
+    p = defaults(qt.QATParams, "qat", steps=steps, batch_size=2 * world, grad_accum=1, max_seq_len=seq,
+                 checkpoint_every=1000, init="teacher", threads=1)
     enter("load_teacher")
     t0 = time.perf_counter()
     summary = qt.train(fmt, states, str(d["model"]), "bfloat16", examples, p, out_dir=d["qat"] / "student",

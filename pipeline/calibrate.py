@@ -51,11 +51,11 @@ class Calibration:
 
 @dataclass
 class CalibrateParams:
-    n_prompts: int = positive(128)      # teacher answers from the training split (all of them when fewer)
-    max_seq_len: int = positive(160)    # longer prompt + answer sequences are cut here
-    seed: int = 0
-    threads: int = non_negative(1)      # torch intra-op threads (0: torch's default)
-    hessian_memory_gb: float = positive(16.0)   # float64 sums held at once; beyond, more passes over the prompts
+    n_prompts: int = positive()            # teacher answers from the training split (all of them when fewer)
+    max_seq_len: int = positive()          # longer prompt + answer sequences are cut here
+    seed: int
+    threads: int = non_negative()          # torch intra-op threads (0: torch's default)
+    hessian_memory_gb: float = positive()  # float64 sums held at once; beyond, more passes over the prompts
 
 
 def calibrate(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, heldout: int, out: str,

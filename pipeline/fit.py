@@ -17,8 +17,8 @@ from pipeline.teacher import local_dir
 
 @dataclass
 class FitParams:
-    seed: int = 0
-    threads: int = non_negative(1)        # 0: torch's default
+    seed: int
+    threads: int = non_negative()  # 0: torch's default
 
 
 def fit_model(fmt: FormatBase, source: str, seed: int = 0) -> tuple[dict[str, State], dict]:

@@ -34,12 +34,12 @@ WORK_DIR = Path("checkpoints/teacher-generate")
 
 @dataclass
 class GenerateParams:
-    seed: int = 0
-    batch_size: int = positive(32)
-    max_new_tokens: int = positive(48)
-    temperature: float = non_negative(0.6)
-    top_p: float = bounded(0.9, gt=0, le=1)
-    threads: int = non_negative(1)
+    seed: int
+    batch_size: int = positive()
+    max_new_tokens: int = positive()
+    temperature: float = non_negative()
+    top_p: float = bounded(gt=0, le=1)
+    threads: int = non_negative()
 
 
 def teacher_identity(teacher: TeacherParams) -> dict:

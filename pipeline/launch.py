@@ -25,20 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from pipeline.params import ParamsError, from_dict, load_yaml, non_negative, positive
+from pipeline.params import ParamsError, defaults, from_dict, load_yaml, non_negative, positive
 
 ENV = "PIPELINE_LAUNCH"
 
 
 @dataclass
 class LaunchParams:
-    num_processes: int = positive(1)           # all machines together; 1: the script runs directly, no torchrun
-    config_file: str | None = None             # torchrun topology for several machines (configs/launch/*.torchrun.yaml)
-    backend: Literal["auto", "gloo", "nccl"] = "auto"     # auto: nccl on GPU, gloo on CPU
-    strategy: Literal["ddp", "fsdp2"] = "ddp"  # qat-train: replicated student (DDP) or sharded (FSDP2)
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"   # fsdp2: the dtype of the gathered weights
-    gradient_checkpointing: bool = False       # qat-train: recompute activations in the backward pass
-    teacher: Literal["replicate", "shard"] = "replicate"       # fsdp2: the frozen teacher whole on every rank, or sharded
+    num_processes: int = positive()                # all machines together; 1: the script runs directly, no torchrun
+    config_file: str | None                        # torchrun topology of several machines (configs/launch/)
+    backend: Literal["auto", "gloo", "nccl"]       # auto: nccl on GPU, gloo on CPU
+    strategy: Literal["ddp", "fsdp2"]              # qat-train: replicated student (DDP) or sharded (FSDP2)
+    compute_dtype: Literal["float32", "bfloat16"]  # fsdp2: the dtype of the gathered weights
+    gradient_checkpointing: bool                   # qat-train: recompute activations in the backward pass
+    teacher: Literal["replicate", "shard"]         # fsdp2: the frozen teacher whole on every rank, or sharded
 
     def machines(self) -> int:
         """The machines the run spans: the topology's ``num_machines``, 1 without one."""
@@ -71,12 +71,12 @@ def settings(params_path: str | Path = "params.yaml") -> LaunchParams:
 
 
 def from_file(params_path: str | Path) -> LaunchParams:
-    """The ``launch`` section of ``params_path`` (the defaults when the file or the section is absent)."""
+    """The ``launch`` section of ``params_path`` (the project's when the file or the section is absent)."""
     if Path(params_path).is_file():
         doc = load_yaml(params_path) or {}
         if isinstance(doc, dict) and "launch" in doc:
             return from_dict(LaunchParams, doc["launch"] or {}, prefix="launch")
-    return LaunchParams()
+    return defaults(LaunchParams, "launch")
 
 
 def read_topology(path: str | Path) -> Topology:

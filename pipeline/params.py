@@ -1,7 +1,9 @@
 """Stage parameters: one section of ``params.yaml`` read into a validated dataclass.
 
-An unknown key, a missing required key or a value of the wrong type is an error that names the key,
-in the spirit of nanoGPT's configurator: a typo in ``params.yaml`` or ``-S`` must never be ignored.
+An unknown key, a missing key or a value of the wrong type is an error that names the key, in the spirit of
+nanoGPT's configurator: a typo in ``params.yaml`` or ``-S`` must never be ignored. ``params.yaml`` is the only
+home of every default: a schema's fields have none, and code outside a stage (tests, benchmarks) builds a
+section from the project's file with :func:`defaults`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def _check(value: Any, tp: Any, key: str) -> Any:
             return None
         raise ParamsError(f"parameter {key!r}: expected null, got {value!r}")
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):            # already built (an override passed to :func:`defaults`)
+            return value
         if not isinstance(value, dict):
             raise ParamsError(f"parameter {key!r}: expected a mapping, got {value!r}")
         return from_dict(tp, value, prefix=key)
@@ -80,21 +84,22 @@ def _check(value: Any, tp: Any, key: str) -> Any:
 
 
 def bounded(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, **kwargs: Any) -> Any:
-    """A dataclass field whose value (when not None) must lie in the given range; ``from_dict`` checks it."""
-    return dataclasses.field(default=default, metadata={"ge": ge, "gt": gt, "le": le}, **kwargs)
+            le: float | None = None) -> Any:
+    """A dataclass field whose value (when not None) must lie in the given range; ``from_dict`` checks it.
+    A section of ``params.yaml`` gives no ``default`` (the file holds it); other files' schemas may."""
+    return dataclasses.field(default=default, metadata={"ge": ge, "gt": gt, "le": le})
 
 
-def positive(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    return bounded(default, gt=0, **kwargs)
+def positive(default: Any = dataclasses.MISSING) -> Any:
+    return bounded(default, gt=0)
 
 
-def non_negative(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    return bounded(default, ge=0, **kwargs)
+def non_negative(default: Any = dataclasses.MISSING) -> Any:
+    return bounded(default, ge=0)
 
 
-def probability(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    return bounded(default, ge=0, le=1, **kwargs)
+def probability(default: Any = dataclasses.MISSING) -> Any:
+    return bounded(default, ge=0, le=1)
 
 
 def _check_range(value: Any, meta: typing.Mapping, key: str) -> None:
@@ -130,7 +135,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
             values[name] = _check(data[name], hints[name], key)
             _check_range(values[name], field.metadata, key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ParamsError(f"missing required parameter {key!r}")
+            raise ParamsError(f"missing parameter {key!r}")
     try:
         return cls(**values)
     except (ValueError, TypeError) as e:       # a dataclass's own cross-field checks
@@ -226,6 +231,24 @@ def load(cls: type[T], section: str, path: str | Path = "params.yaml") -> T:
     if dataclasses.is_dataclass(cls) and not isinstance(value, cls):
         raise ParamsError(f"section {section!r} is validated as {type(value).__name__}, not {cls.__name__}")
     return value
+
+
+PROJECT_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+"""The project's parameters file: the defaults of every section."""
+
+
+def defaults(cls: type[T], section: str, path: str | Path = PROJECT_PARAMS, **overrides: Any) -> T:
+    """``cls`` filled from ``section`` of ``path`` (dotted for a subsection: ``toy_teacher.model``), with
+    ``overrides`` replacing keys; checked as :func:`from_dict` checks a stage's section."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: parameters file not found (the defaults of section {section!r})")
+    node: Any = load_yaml(path)
+    for part in section.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ParamsError(f"{path}: no section {section!r}")
+        node = node[part]
+    return from_dict(cls, {**node, **overrides}, prefix=section)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

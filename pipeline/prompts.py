@@ -10,11 +10,13 @@ instruction block prepended to it (a base instruction; a length instruction with
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import yaml
+
+from pipeline.params import probability
 
 _REPO_POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "prompt_pool.yaml"
 DEFAULT_POOL = _REPO_POOL if _REPO_POOL.exists() else Path(__file__).resolve().parent / "data" / "prompt_pool.yaml"
@@ -55,19 +57,16 @@ def load_pool(path: str | Path = DEFAULT_POOL) -> PromptPool:
 
 @dataclass
 class SamplerParams:
-    p_chat: float = 0.75
-    p_instruction: float = 0.7
-    p_length: float = 0.75
-    length_weights: dict[str, float] = field(default_factory=lambda: {"short": 0.40, "medium": 0.38, "long": 0.22})
-    p_format: float = 0.45
-    p_adherence: float = 0.40
-    fixed_prompt: str | None = None
+    """``sample.sampler`` in ``params.yaml``."""
+    p_chat: float = probability()
+    p_instruction: float = probability()
+    p_length: float = probability()
+    length_weights: dict[str, float]
+    p_format: float = probability()
+    p_adherence: float = probability()
+    fixed_prompt: str | None
 
     def __post_init__(self) -> None:
-        for name in ("p_chat", "p_instruction", "p_length", "p_format", "p_adherence"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"parameter {name!r}: a probability must lie in [0, 1], got {value}")
         if not self.length_weights or any(w < 0 for w in self.length_weights.values()) \
                 or sum(self.length_weights.values()) <= 0:
             raise ValueError(f"parameter 'length_weights': needs non-negative weights with a positive sum, "

@@ -43,25 +43,20 @@ from pipeline.formats.base import FormatBase, State, check_weight
 
 Method = Literal["absmax", "search", "gptq"]
 METHODS = get_args(Method)
-DEFAULT_METHOD: Method = "gptq"
-"""What ``method=None`` means: GPTQ on the calibration's ``X^T X`` (the scale search where a weight has none);
-the toy world's measurement favours it (README "Results")."""
 
 
 @dataclass
 class PackParams:
-    """The ``pack`` section of ``params.yaml``: read by direct-cast (the method) and pack-safetensors."""
-    dtype: str = "bfloat16"               # of the tensors that are not quantised
-    method: Method = DEFAULT_METHOD       # the direct cast's post-training method
+    """The ``pack`` section of ``params.yaml``: read by direct-cast, qat-train (the method) and pack-safetensors."""
+    dtype: str      # of the tensors that are not quantised
+    method: Method  # the direct cast's post-training method
 
 
 # --- argument checks ------------------------------------------------------------------------------
 
-def check_method(method: str | None) -> str:
-    method = DEFAULT_METHOD if method is None else method
+def check_method(method: str) -> str:
     if method not in METHODS:
-        raise ValueError(f"method: expected one of {', '.join(METHODS)} (or None for {DEFAULT_METHOD!r}), "
-                         f"got {method!r}")
+        raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
     return method
 
 
@@ -103,17 +98,17 @@ def check_hessian(hessian: torch.Tensor | None, d_in: int) -> torch.Tensor | Non
 
 # --- the contract -----------------------------------------------------------------------------------
 
-def pack(fmt: FormatBase, weight: torch.Tensor, *, method: str | None = None,
+def pack(fmt: FormatBase, weight: torch.Tensor, *, method: str,
          importance: torch.Tensor | None = None, hessian: torch.Tensor | None = None, seed: int = 0,
          fitted: State | None = None, compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The packed tensors (``{suffix: tensor}``, as ``fmt.pack`` lays them out) of ``weight`` cast to format
-    ``fmt`` by ``method`` (None: ``DEFAULT_METHOD``; ``absmax``, the only one, for the formats outside the
-    comparison: int8, bf16). What a packer writes. ``fitted``: the format's ``fit(weight, seed)`` when already at
+    ``fmt`` by ``method`` (``absmax``, the only one for the formats outside the comparison: int8, bf16; the
+    stages take it from parameter ``pack.method``). What a packer writes. ``fitted``: the format's ``fit(weight, seed)`` when already at
     hand (stage fit-centroids' state of this weight), which every method starts from; fitted here otherwise.
     ``compensated`` (float32 ``[d_out, d_in]``, for :func:`cast`) receives GPTQ's error-compensated weights when
     the method runs GPTQ, else stays untouched."""
     check_weight(weight)
-    method = check_method("absmax" if method is None and not fmt.comparison else method)
+    method = check_method(method)
     d_in = weight.shape[1]
     importance = check_importance(importance, d_in)
     hessian = check_hessian(hessian, d_in)
@@ -134,14 +129,14 @@ def pack(fmt: FormatBase, weight: torch.Tensor, *, method: str | None = None,
     return fmt.pack_at_scale(w, state, scale)
 
 
-def direct_cast(fmt: FormatBase, weight: torch.Tensor, *, method: str | None = None,
+def direct_cast(fmt: FormatBase, weight: torch.Tensor, *, method: str,
                 importance: torch.Tensor | None = None, hessian: torch.Tensor | None = None,
                 seed: int = 0) -> torch.Tensor:
     """The decoded ``float32`` weight a packer writes for format ``fmt`` and ``method``, bit for bit:
     ``fmt.unpack(pack(...), weight.shape)``. ``fmt.quantize`` stays the QAT forward (absmax)."""
     if fmt.layout is None:           # int8, bf16: no packed file; their one cast is the fake-quant forward
         check_weight(weight)
-        if check_method("absmax" if method is None else method) != "absmax":
+        if check_method(method) != "absmax":
             raise ValueError(f"method {method!r}: format {fmt.name!r} has only 'absmax'")
         return fmt.quantize(weight.detach().float(), fmt.fit(weight, seed=seed))
     tensors = pack(fmt, weight, method=method, importance=importance, hessian=hessian, seed=seed)
@@ -150,7 +145,7 @@ def direct_cast(fmt: FormatBase, weight: torch.Tensor, *, method: str | None = N
 
 # --- a start for QAT ---------------------------------------------------------------------------------
 
-def cast(fmt: FormatBase, weight: torch.Tensor, *, method: str | None = None,
+def cast(fmt: FormatBase, weight: torch.Tensor, *, method: str,
          hessian: torch.Tensor | None = None, seed: int = 0,
          fitted: State | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The direct cast and the point QAT can start from, in one computation: ``(packed tensors, master)``, the
@@ -171,7 +166,7 @@ def cast(fmt: FormatBase, weight: torch.Tensor, *, method: str | None = None,
     return tensors, torch.where(fmt.whole_codes(same), master, decoded)
 
 
-def start(fmt: FormatBase, weight: torch.Tensor, *, method: str | None = None,
+def start(fmt: FormatBase, weight: torch.Tensor, *, method: str,
           hessian: torch.Tensor | None = None, seed: int = 0,
           fitted: State | None = None) -> tuple[torch.Tensor, State, torch.Tensor]:
     """The post-training point of :func:`cast` as QAT takes it: ``(master weight, quantiser state, bf16 scale)``."""

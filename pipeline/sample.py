@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,12 +21,12 @@ from pipeline.teacher import TeacherParams
 
 @dataclass
 class SampleParams:
-    seed: int = 0
-    n_prompts: int = positive(1024)
-    shard_size: int = positive(256)
-    images: str = "toy"                       # toy | folder:PATH | hf:DATASET[:SPLIT[:COLUMN]]
-    pool: str = "data/prompts/prompt_pool.yaml"
-    sampler: SamplerParams = field(default_factory=SamplerParams)
+    seed: int
+    n_prompts: int = positive()
+    shard_size: int = positive()
+    images: str  # toy | folder:PATH | hf:DATASET[:SPLIT[:COLUMN]]
+    pool: str
+    sampler: SamplerParams
 
 
 def sample_prompts(p: SampleParams, teacher: TeacherParams, out_dir: str | Path) -> dict:

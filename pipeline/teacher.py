@@ -34,10 +34,10 @@ K_MAX = 133_144                         # = pipeline.native.K_MAX (int32 accumul
 
 @dataclass
 class TeacherParams:
-    source: str = "data/toy-teacher"     # where the teacher comes from: a local model directory, a hub id, a GGUF
-    dir: str = "models/teacher"          # its bf16 Hugging Face directory (teacher-import's output): what stages read
-    dtype: str = "bfloat16"
-    name: str = "toy-mllama"             # how reports call it
+    source: str  # where the teacher comes from: a local model directory, a hub id, a GGUF
+    dir: str     # its bf16 Hugging Face directory (teacher-import's output): what stages read
+    dtype: str
+    name: str    # how reports call it
 
 
 def local_dir(source: str) -> Path:

@@ -17,14 +17,15 @@ def build_tiny_teacher(path: Path) -> Path:
     import torch
     from transformers import GenerationConfig
 
+    from pipeline.params import defaults
     from pipeline.toy.model import ModelSize, build_model, tiny_config
     from pipeline.toy.processor import build_processor, text_vocab_size
     from pipeline.toy.tasks import text_corpus
 
     processor = build_processor(text_corpus(20))
-    size = ModelSize(vision_hidden=32, vision_layers=2, vision_global_layers=1, vision_heads=2,
-                     vision_intermediate=64, vision_intermediate_layers=[0, 1], text_hidden=64, text_layers=3,
-                     cross_attention_layers=[1], text_heads=2, text_kv_heads=1, text_intermediate=128)
+    size = defaults(ModelSize, "toy_teacher.model", vision_hidden=32, vision_layers=2, vision_global_layers=1,
+                    vision_heads=2, vision_intermediate=64, vision_intermediate_layers=[0, 1], text_hidden=64,
+                    text_layers=3, cross_attention_layers=[1], text_heads=2, text_kv_heads=1, text_intermediate=128)
     model = build_model(tiny_config(size, text_vocab_size(processor)), seed=0).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=[1, 8, 9], pad_token_id=4, bos_token_id=0)
     model.save_pretrained(path)

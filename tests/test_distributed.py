@@ -140,8 +140,9 @@ def test_bad_launch_parameters_are_one_line_naming_the_key(tmp_path, launch, mes
 
 def test_launch_command_starts_torchrun_for_several_processes():
     from pipeline.launch import LaunchParams, command
-    assert command("stages/eval.py", [], LaunchParams())[1:] == ["stages/eval.py"]
-    cmd = command("stages/qat_train.py", ["--format", "s3d8"], LaunchParams(num_processes=4))
+    from pipeline.params import defaults
+    assert command("stages/eval.py", [], defaults(LaunchParams, "launch"))[1:] == ["stages/eval.py"]
+    cmd = command("stages/qat_train.py", ["--format", "s3d8"], defaults(LaunchParams, "launch", num_processes=4))
     assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "4",
                        "stages/qat_train.py", "--format", "s3d8"]
 
@@ -169,10 +170,11 @@ def test_eval_on_two_processes_writes_what_one_process_writes(runs, tmp_path):
 
 def test_multi_node_config_builds_the_torchrun_rendezvous(monkeypatch):
     from pipeline.launch import LaunchParams, command
+    from pipeline.params import defaults
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("MACHINE_RANK", "1")
-    cmd = command("stages/qat_train.py", [], LaunchParams(num_processes=16, strategy="fsdp2",
-                                                          config_file="configs/launch/multinode-2x8.torchrun.yaml"))
+    cmd = command("stages/qat_train.py", [], defaults(LaunchParams, "launch", num_processes=16, strategy="fsdp2",
+                                                      config_file="configs/launch/multinode-2x8.torchrun.yaml"))
     joined = " ".join(cmd)
     assert "--nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-backend c10d" in joined
 
@@ -327,6 +329,7 @@ _GRAD_MEMORY = """
 import json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.launch import LaunchParams
+from pipeline.params import defaults
 from pipeline.qat import distributed as d
 from pipeline.qat.train import _FSDP2
 
@@ -343,7 +346,7 @@ def held(model):
                     total += (t._local_tensor if hasattr(t, "_local_tensor") else t).numel()
     return total
 
-engine = _FSDP2(LaunchParams(strategy="fsdp2"))
+engine = _FSDP2(defaults(LaunchParams, "launch", strategy="fsdp2"))
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False))
@@ -393,11 +396,12 @@ def test_fsdp2_accumulation_matches_one_process_accumulating(inputs, tmp_path):
 _SHARDED_TEACHER = """
 import json, sys, torch
 from pipeline.launch import LaunchParams
+from pipeline.params import defaults
 from pipeline.qat import train as T
 
 loads, load = [], T.load_model
 T.load_model = lambda *a, **k: (loads.append(1), load(*a, **k))[1]
-engine = T._FSDP2(LaunchParams(strategy="fsdp2", teacher="shard"))
+engine = T._FSDP2(defaults(LaunchParams, "launch", strategy="fsdp2", teacher="shard"))
 teacher = engine.teacher(sys.argv[1], torch.bfloat16)
 reads = len(loads)
 ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -8,15 +8,16 @@ import torch
 
 from pipeline.eval.runner import EvalResult, evaluate, generate
 from pipeline.eval.tasks import load_benchmark
+from pipeline.params import defaults
 from pipeline.toy.tasks import load_toy
 from pipeline.toy import model as M
 from pipeline.toy import processor as P
 from pipeline.toy import tasks
 
 AI2D_FIXTURE = "tests/fixtures/ai2d/data/test-00000-of-00001.parquet"
-SMALL = M.ModelSize(vision_hidden=32, vision_layers=2, vision_global_layers=1, vision_heads=2, vision_intermediate=64,
-                    vision_intermediate_layers=[0], text_hidden=64, text_layers=2, cross_attention_layers=[1],
-                    text_heads=2, text_kv_heads=1, text_intermediate=128)
+SMALL = defaults(M.ModelSize, "toy_teacher.model", vision_hidden=32, vision_layers=2, vision_global_layers=1,
+                 vision_heads=2, vision_intermediate=64, vision_intermediate_layers=[0], text_hidden=64, text_layers=2,
+                 cross_attention_layers=[1], text_heads=2, text_kv_heads=1, text_intermediate=128)
 
 
 @pytest.fixture(scope="module")

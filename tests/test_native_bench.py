@@ -6,12 +6,14 @@ import pytest
 
 from pipeline import native
 from pipeline.bench import BenchParams
+from pipeline.params import defaults
 from pipeline.bench.kernels import check_params, metrics, parse_shape, run
 from pipeline.bench.report import chart, markdown
 
 
 def test_records_metrics_report_and_chart(tmp_path):
-    p = BenchParams(shapes=["1x64x30", "20x40x9"], threads=[1], repeats=2, budget_s=0.2, rotate_mb=1)
+    p = defaults(BenchParams, "bench", shapes=["1x64x30", "20x40x9"], threads=[1], repeats=2, budget_s=0.2,
+                 rotate_mb=1)
     records, machine = run(p, log=lambda line: None)
     keys = {(r["m"], r["key"]) for r in records}
     assert (1, "s3d8") in keys and (1, "read") in keys and (1, "bf16") in keys
@@ -32,8 +34,8 @@ def test_params_are_checked():
     with pytest.raises(ValueError, match="MxKxN"):
         parse_shape("4096x14336")
     with pytest.raises(ValueError, match="bench.variant") as e:
-        check_params(BenchParams(variant="nope"))
+        check_params(defaults(BenchParams, "bench", variant="nope"))
     assert all(v in str(e.value) for v in native.available_variants())
     with pytest.raises(ValueError, match="bench.threads"):
-        check_params(BenchParams(threads=[0]))
-    assert check_params(BenchParams(shapes=["1x2x3"])) == [(1, 2, 3)]
+        check_params(defaults(BenchParams, "bench", threads=[0]))
+    assert check_params(defaults(BenchParams, "bench", shapes=["1x2x3"])) == [(1, 2, 3)]

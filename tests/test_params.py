@@ -71,15 +71,49 @@ def test_every_top_level_key_has_a_schema_and_the_shipped_file_validates():
     params.validate(doc)
 
 
+def _schemas(tp, key):
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(tp)
+    for f in dataclasses.fields(tp):
+        yield f"{key}.{f.name}", f
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _schemas(hints[f.name], f"{key}.{f.name}")
+
+
 @pytest.mark.parametrize("section", sorted(params.SECTIONS))
-def test_dataclass_defaults_equal_params_yaml(section):
-    """params.yaml is the one place defaults live: every dataclass default equals it, key for key."""
+def test_params_yaml_is_the_only_home_of_defaults(section):
+    """No field of a section's schema (nested ones too) has a default of its own: every value comes from the file."""
     import dataclasses
 
     tp = params.schema(section)
     if not dataclasses.is_dataclass(tp):
-        return                                   # a plain value (formats, heldout_prompts): no default to drift
-    assert dataclasses.asdict(tp()) == dataclasses.asdict(params.from_dict(tp, _shipped()[section], section))
+        return                                   # a plain value (formats, heldout_prompts)
+    with_default = [key for key, f in _schemas(tp, section)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+    assert with_default == []
+    doc = _shipped()
+    missing = dict(doc[section])
+    missing.pop(next(iter(missing)))
+    with pytest.raises(ParamsError, match="missing parameter"):
+        params.from_dict(tp, missing, section)
+
+
+def test_defaults_come_from_the_project_file(tmp_path):
+    from pipeline.qat.train import QATParams
+    from pipeline.toy.model import ModelSize
+
+    shipped = _shipped()
+    p = params.defaults(QATParams, "qat", steps=3)
+    assert p.steps == 3 and p.lr_scale == shipped["qat"]["lr_scale"]
+    assert params.defaults(ModelSize, "toy_teacher.model").text_layers == shipped["toy_teacher"]["model"]["text_layers"]
+    with pytest.raises(ParamsError, match="'qat.steps'"):
+        params.defaults(QATParams, "qat", steps=0)
+    with pytest.raises(ParamsError, match="no section 'qat.nope'"):
+        params.defaults(QATParams, "qat.nope")
+    with pytest.raises(ParamsError, match="not found"):
+        params.defaults(QATParams, "qat", path=tmp_path / "missing.yaml")
 
 
 @pytest.mark.parametrize("key, value, message", [

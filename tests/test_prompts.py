@@ -6,6 +6,11 @@ from collections import Counter
 import pytest
 
 from pipeline.prompts import SamplerParams, load_pool, sample
+from pipeline.params import defaults
+
+
+def sampler(**overrides) -> SamplerParams:
+    return defaults(SamplerParams, "sample.sampler", **overrides)
 
 
 def test_pool_has_495_prompts():
@@ -14,7 +19,7 @@ def test_pool_has_495_prompts():
 
 
 def test_probabilities_match_the_recipe():
-    pool, params = load_pool(), SamplerParams()
+    pool, params = load_pool(), sampler()
     rng = random.Random(0)
     draws = [sample(rng, pool, params) for _ in range(20000)]
     chat = sum(d.template == "chat" for d in draws) / len(draws)
@@ -31,14 +36,14 @@ def test_probabilities_match_the_recipe():
 
 
 def test_deterministic_for_a_seed():
-    pool, params = load_pool(), SamplerParams()
+    pool, params = load_pool(), sampler()
     a = [sample(random.Random(5), pool, params) for _ in range(3)]
     b = [sample(random.Random(5), pool, params) for _ in range(3)]
     assert a == b
 
 
 def test_fixed_prompt_ablation():
-    params = SamplerParams(fixed_prompt="Describe the image:")
+    params = sampler(fixed_prompt="Describe the image:")
     draws = [sample(random.Random(i), load_pool(), params) for i in range(50)]
     assert {d.user_text for d in draws} == {"Describe the image:"}
     assert {d.template for d in draws} == {"chat", "plain"}
@@ -46,6 +51,6 @@ def test_fixed_prompt_ablation():
 
 def test_bad_probabilities_are_refused():
     with pytest.raises(ValueError, match="p_chat"):
-        SamplerParams(p_chat=1.5)
+        sampler(p_chat=1.5)
     with pytest.raises(ValueError, match="length_weights"):
-        SamplerParams(length_weights={"short": -1.0})
+        sampler(length_weights={"short": -1.0})

@@ -70,7 +70,7 @@ def test_absmax_cast_equals_the_qat_forward():
         q = cast(name, W, method="absmax")
         assert torch.equal(q, fmt.quantize(W, fmt.fit(W))), name
     int8 = formats.get("int8")
-    assert torch.equal(cast("int8", W), int8.quantize(W, int8.fit(W)))
+    assert torch.equal(cast("int8", W, method="absmax"), int8.quantize(W, int8.fit(W)))
     with pytest.raises(ValueError, match="method 'search'"):
         cast("int8", W, method="search")
 
@@ -154,7 +154,7 @@ def test_nan_is_rejected_naming_the_argument():
     with pytest.raises(ValueError, match="scale"):
         s3d8.encode_with_scale(W, s3d8.fit_centroids(W), torch.zeros(W.shape[0], 1))
     with pytest.raises(ValueError, match="importance"):
-        cast("int", W, importance=-torch.ones(W.shape[1]))
+        cast("int", W, method="search", importance=-torch.ones(W.shape[1]))
     with pytest.raises(ValueError, match="method"):
         cast("s3d8", W, method="awq")
 

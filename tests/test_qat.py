@@ -140,6 +140,7 @@ def test_ptq_start_is_the_direct_cast(fmt):
     Hessian), with the learned scale starting at that cast's scale."""
     from pipeline import ptq
     from pipeline.qat.modules import learned_scale
+    from pipeline.params import defaults
     from pipeline.qat.train import QATParams, _quantise
 
     torch.manual_seed(0)
@@ -150,7 +151,7 @@ def test_ptq_start_is_the_direct_cast(fmt):
     states = {n: formats.get(fmt).fit(w) for n, w in teacher.items()}
     start = lambda name, w: ptq.start(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))  # noqa: E731
     names = {}
-    _quantise(model, formats.get(fmt), states, QATParams(init="ptq", learn_scales=True), start, names)
+    _quantise(model, formats.get(fmt), states, defaults(QATParams, "qat", init="ptq", learn_scales=True), start, names)
     assert names == {"embed": "embed.weight", "proj": "proj.weight"}
     for name, w in teacher.items():
         want = ptq.direct_cast(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))
@@ -280,6 +281,7 @@ def test_tied_modules_get_one_post_training_start():
 
     from pipeline import ptq
     from pipeline.models import quantised_weight_names
+    from pipeline.params import defaults
     from pipeline.qat.train import QATParams, _quantise
 
     torch.manual_seed(0)
@@ -297,7 +299,7 @@ def test_tied_modules_get_one_post_training_start():
         calls.append(name)
         return ptq.start(formats.get("s3d8"), w, method="search")
 
-    _quantise(model, fmt, states, QATParams(init="ptq", learn_scales=True), start, {})
+    _quantise(model, fmt, states, defaults(QATParams, "qat", init="ptq", learn_scales=True), start, {})
     assert len(calls) == len(set(calls)) == len(states)
     head, emb = model.lm_head, model.model.embed_tokens
     assert head.weight is emb.weight and torch.equal(head.qstate["table"], emb.qstate["table"])

@@ -55,14 +55,14 @@ def test_text_teacher_has_a_tokenizer_and_text_templates(tokenizer):
 
 def test_sample_and_generate_text_prompts(tmp_path, teacher_dir, tokenizer):
     from pipeline import generate
-    from pipeline.prompts import SamplerParams
+    from pipeline.params import defaults
     from pipeline.sample import SampleParams, sample_prompts
     from pipeline.shards import read_shard
     from pipeline.teacher import TeacherParams
 
-    tp = TeacherParams(source="unused", dir=str(teacher_dir), name="tiny")
-    p = SampleParams(n_prompts=6, shard_size=3, images="no-such-pool", pool=str(REPO / "data/prompts/text_pool.yaml"),
-                     sampler=SamplerParams())
+    tp = defaults(TeacherParams, "teacher", source="unused", dir=str(teacher_dir), name="tiny")
+    p = defaults(SampleParams, "sample", n_prompts=6, shard_size=3, images="no-such-pool",
+                 pool=str(REPO / "data/prompts/text_pool.yaml"))
     stats = sample_prompts(p, tp, tmp_path / "sampled")
     assert stats["prompts"] == 6 and stats["shards"] == 2
     table, _ = read_shard(tmp_path / "sampled/shard-00000.parquet")
@@ -70,7 +70,7 @@ def test_sample_and_generate_text_prompts(tmp_path, teacher_dir, tokenizer):
     assert all(r["image_ref"] is None for r in rows)
     assert all("<|image|>" not in r["prompt"] for r in rows)
     assert any(r["prompt"].startswith("<|im_start|>user\n") for r in rows)
-    gp = generate.GenerateParams(batch_size=2, max_new_tokens=4)
+    gp = defaults(generate.GenerateParams, "generate", batch_size=2, max_new_tokens=4)
     out = generate.run(gp, tp, tmp_path / "sampled", tmp_path / "answers", work=tmp_path / "work")
     assert out                                           # diversity statistics of the answers
     examples = load_examples(tmp_path / "answers", len(tokenizer))

@@ -8,12 +8,13 @@ from pipeline.toy import model as M
 from pipeline.toy import processor as P
 from pipeline.toy import tasks
 from pipeline.chat import chat_prompt
+from pipeline.params import defaults
 from pipeline.toy.batch import IGNORE, encode
 from pipeline.toy.train import TrainSettings, train
 
-SMALL = M.ModelSize(vision_hidden=32, vision_layers=2, vision_global_layers=1, vision_heads=2, vision_intermediate=64,
-                    vision_intermediate_layers=[0], text_hidden=64, text_layers=2, cross_attention_layers=[1],
-                    text_heads=2, text_kv_heads=1, text_intermediate=128)
+SMALL = defaults(M.ModelSize, "toy_teacher.model", vision_hidden=32, vision_layers=2, vision_global_layers=1,
+                 vision_heads=2, vision_intermediate=64, vision_intermediate_layers=[0], text_hidden=64, text_layers=2,
+                 cross_attention_layers=[1], text_heads=2, text_kv_heads=1, text_intermediate=128)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +36,14 @@ def test_config_mirrors_the_11b_layout(config, proc):
 
 def test_config_errors_name_the_parameter():
     with pytest.raises(ValueError, match="cross_attention_layers"):
-        M.tiny_config(M.ModelSize(text_layers=2, cross_attention_layers=[3]), 100)
+        M.tiny_config(defaults(M.ModelSize, "toy_teacher.model", text_layers=2, cross_attention_layers=[3]), 100)
     with pytest.raises(ValueError, match="patch_size"):
-        M.tiny_config(M.ModelSize(patch_size=7), 100)
+        M.tiny_config(defaults(M.ModelSize, "toy_teacher.model", patch_size=7), 100)
 
 
 def test_default_size_is_the_committed_teachers(proc):
     """ModelSize's defaults are params.yaml's (toy_teacher.model): about 2 million parameters."""
-    model = M.build_model(M.tiny_config(M.ModelSize(), P.text_vocab_size(proc)), seed=0)
+    model = M.build_model(M.tiny_config(defaults(M.ModelSize, "toy_teacher.model"), P.text_vocab_size(proc)), seed=0)
     assert 1.5e6 < M.count_parameters(model) < 3e6
 
 
@@ -102,4 +103,4 @@ def test_train_step_generate_and_offline_reload(config, proc, tmp_path, monkeypa
 @pytest.mark.parametrize("name", ["describe_fraction", "plain_template", "describe_format_p"])
 def test_training_shares_must_be_probabilities(name):
     with pytest.raises(ValueError, match=f"train.{name}: a probability must lie in \\[0, 1\\], got 1.5"):
-        train(None, None, TrainSettings(**{name: 1.5}, eval_every=0), seed=0)
+        train(None, None, defaults(TrainSettings, "toy_teacher.train", **{name: 1.5}, eval_every=0), seed=0)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PAPER_SHAPES = [  # SPEC section 8: operation, (m, k, n), Pixel 8a GMAC/s (bf16, INT8, S3D8), 5 cores
     ("text.attn.[q,o] generate", (1, 4096, 4096), (14.2, 29.2, 31.2)),
@@ -25,12 +25,12 @@ PAPER_SHAPES = [  # SPEC section 8: operation, (m, k, n), Pixel 8a GMAC/s (bf16,
 
 @dataclass
 class BenchParams:
-    """``bench:`` in params.yaml (the defaults are the same values)."""
-    shapes: list[str] = field(default_factory=lambda: ["x".join(map(str, s)) for _, s, _ in PAPER_SHAPES])
-    threads: list[int] = field(default_factory=lambda: [1, 2])
-    repeats: int = 7           # timed rounds per shape (median), fewer when a round is slow
-    budget_s: float = 1.5      # time per shape and thread count beyond which rounds stop (at least 3)
-    rotate_mb: int = 320       # weight copies per format total at least this: weights come from DRAM
-    hot: bool = False          # one weight copy: served from cache when it fits
-    variant: str | None = None  # force a library variant (default: the fastest, or $S3D8_VARIANT)
-    seed: int = 0
+    """``bench:`` in params.yaml."""
+    shapes: list[str]
+    threads: list[int]
+    repeats: int         # timed rounds per shape (median), fewer when a round is slow
+    budget_s: float      # time per shape and thread count beyond which rounds stop (at least 3)
+    rotate_mb: int       # weight copies per format total at least this: weights come from DRAM
+    hot: bool            # one weight copy: served from cache when it fits
+    variant: str | None  # force a library variant (default: the fastest, or $S3D8_VARIANT)
+    seed: int

@@ -3,7 +3,7 @@ models loaded from their packed files, each scored on the tasks and measured by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,21 +26,21 @@ METHODS = ("direct-cast", "qat")
 
 @dataclass
 class EvalParams:
-    tasks: list[str] = field(default_factory=lambda: ["toy-vqa", "toy-chartqa", "toy-docvqa", "toy-ai2d"])
-    n: int = positive(128)
-    seed: int = 0
-    batch_size: int = positive(32)
-    act_quant: bool = True
-    kl_batch_size: int = positive(16)
-    max_seq_len: int = positive(160)
-    sources: dict[str, str] = field(default_factory=dict)
-    blind_baseline: bool = True
-    kernel: str = "torch"      # "native": formats with a native kernel run on it (packed bytes, int32 dots)
-    decode: str = "eager"      # "lazy": packed weights stay packed in memory, decoded per forward (the 11B's)
-    threads: int = non_negative(1)
-    perplexity_tokens: int = positive(8192)   # text-only teachers: held-out corpus tokens perplexity is measured on
-    perplexity_window: int = positive(512)    # ... in windows of this many tokens
-    sample_tokens: int = positive(48)         # ... greedy tokens of the generation sample per model
+    tasks: list[str]
+    n: int = positive()
+    seed: int
+    batch_size: int = positive()
+    act_quant: bool
+    kl_batch_size: int = positive()
+    max_seq_len: int = positive()
+    sources: dict[str, str]
+    blind_baseline: bool
+    kernel: str                          # "native": formats with a native kernel run on it (packed bytes, int32 dots)
+    decode: str                          # "lazy": packed weights stay packed in memory, decoded per forward (the 11B's)
+    threads: int = non_negative()
+    perplexity_tokens: int = positive()  # text-only teachers: held-out corpus tokens perplexity is measured on
+    perplexity_window: int = positive()  # ... in windows of this many tokens
+    sample_tokens: int = positive()      # ... greedy tokens of the generation sample per model
 
     def __post_init__(self) -> None:
         if self.decode not in DECODES:

@@ -48,23 +48,23 @@ from pipeline.stage import console, progress
 
 @dataclass
 class QATParams:
-    steps: int = positive(400)
-    batch_size: int = positive(16)        # sequences per optimizer step, all processes together
-    grad_accum: int = positive(1)
-    max_seq_len: int = positive(160)
-    lr: float | None = positive(None)     # None: lr_scale x 2^-(b + 14), b the average bits per parameter
-    lr_scale: float = positive(4.0)       # the multiple of the recipe's rule (its 2,048 steps at 11B; 400 here)
-    betas: list[float] = bounded(default_factory=lambda: [0.9, 0.95], ge=0, le=1)
-    weight_decay: float = non_negative(0.0)
-    act_quant: bool = True
-    checkpoint_every: int = positive(25)
-    seed: int = 0
-    threads: int = non_negative(2)        # torch threads (0: its default); the bytes depend on it (reduction order)
-    init: Literal["teacher", "ptq"] = "ptq"   # ptq: start from pack.method's direct cast (weights, table, scales)
-    learn_scales: bool = True             # the bf16 scales as trained parameters (LSQ gradient)
-    scale_lr: float = positive(1e-3)      # their learning rate (on log2 of the scale); same cosine schedule
-    refit_table: bool = False             # S3D8: refit each centroid table on the trained weights at the end
-    teacher_logits: Literal["cache", "forward"] = "cache"   # cache: the teacher's response logits once per
+    steps: int = positive()
+    batch_size: int = positive()                 # sequences per optimizer step, all processes together
+    grad_accum: int = positive()
+    max_seq_len: int = positive()
+    lr: float | None = positive()                # None: lr_scale x 2^-(b + 14), b the average bits per parameter
+    lr_scale: float = positive()                 # the multiple of the recipe's rule (its 2,048 steps at 11B)
+    betas: list[float] = bounded(ge=0, le=1)
+    weight_decay: float = non_negative()
+    act_quant: bool
+    checkpoint_every: int = positive()
+    seed: int
+    threads: int = non_negative()                # torch threads (0: its default); the bytes depend on them
+    init: Literal["teacher", "ptq"]              # ptq: start from pack.method's direct cast (weights, table, scales)
+    learn_scales: bool                           # the bf16 scales as trained parameters (LSQ gradient)
+    scale_lr: float = positive()                 # their learning rate (on log2 of the scale); same cosine schedule
+    refit_table: bool                            # S3D8: refit each centroid table on the trained weights at the end
+    teacher_logits: Literal["cache", "forward"]  # cache: the teacher's response logits once per
     #   training sequence, before the first step (full bf16 rows, exactly what it outputs); forward: per step
 
 

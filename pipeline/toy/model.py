@@ -3,7 +3,7 @@ features, projector, language model with gated cross-attention layers), at a siz
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaTextConfig, MllamaVisionConfig
@@ -15,21 +15,21 @@ from pipeline.toy.draw import IMAGE_SIZE
 class ModelSize:
     """Sizes of the tiny Mllama (``params.yaml``: ``toy_teacher.model``)."""
 
-    patch_size: int = 16
-    vision_hidden: int = 128
-    vision_layers: int = 4
-    vision_global_layers: int = 2
-    vision_heads: int = 4
-    vision_intermediate: int = 256
-    vision_intermediate_layers: list[int] = field(default_factory=lambda: [1, 3])
-    text_hidden: int = 128
-    text_layers: int = 6
-    cross_attention_layers: list[int] = field(default_factory=lambda: [1, 4])
-    text_heads: int = 4
-    text_kv_heads: int = 2
-    text_intermediate: int = 256
-    max_position_embeddings: int = 512
-    rope_theta: float = 500000.0
+    patch_size: int
+    vision_hidden: int
+    vision_layers: int
+    vision_global_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    vision_intermediate_layers: list[int]
+    text_hidden: int
+    text_layers: int
+    cross_attention_layers: list[int]
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    max_position_embeddings: int
+    rope_theta: float
 
 
 def tiny_config(size: ModelSize, vocab_size: int, image_size: int = IMAGE_SIZE) -> MllamaConfig:

@@ -10,7 +10,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,24 +26,22 @@ from pipeline.toy.batch import PLAIN_SEPARATOR, encode
 class TrainSettings:
     """``params.yaml``: ``toy_teacher.train``."""
 
-    steps: int = 8000
-    batch_size: int = 32
-    lr: float = 1e-4
-    final_lr_fraction: float = 0.05  # cosine decay from lr to lr * this
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    grad_clip: float = 1.0
-    caption_steps: int = 300  # first steps: detailed descriptions only, to learn what the pictures show
-    caption_prompt: str = "Describe the image in detail."
-    describe_fraction: float = 0.45  # share of steps spent on generic requests from the prompt pool
-    plain_template: float = 0.25  # share of generic requests in the plain <|image|>{prompt} template
-    describe_format_p: float = 0.9  # chance of a format instruction (capitals, JSON, ...) in a generic request
-    task_weights: dict[str, float] = field(
-        default_factory=lambda: {"toy-vqa": 1.0, "toy-chartqa": 1.3, "toy-docvqa": 0.6, "toy-ai2d": 1.3}
-    )
-    eval_every: int = 250  # steps between held-out checks (0: none)
-    eval_items: int = 64  # held-out items per task at each check
+    steps: int
+    batch_size: int
+    lr: float
+    final_lr_fraction: float  # cosine decay from lr to lr * this
+    warmup_steps: int
+    weight_decay: float
+    betas: list[float]
+    grad_clip: float
+    caption_steps: int        # first steps: detailed descriptions only, to learn what the pictures show
+    caption_prompt: str
+    describe_fraction: float  # share of steps spent on generic requests from the prompt pool
+    plain_template: float     # share of generic requests in the plain <|image|>{prompt} template
+    describe_format_p: float  # chance of a format instruction (capitals, JSON, ...) in a generic request
+    task_weights: dict[str, float]
+    eval_every: int           # steps between held-out checks (0: none)
+    eval_items: int           # held-out items per task at each check
 
 
 def learning_rate(s: TrainSettings, step: int) -> float:
