@@ -48,10 +48,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from pipeline import formats
 from pipeline.checkpoint import CheckpointReader
 from pipeline.models import checkpoint_names
-from pipeline.packed import (DECODES, PACKED_VERSION, LazyPackedEmbedding, LazyPackedLinear, PackedEmbedding,
-                             PackedLinear, _check_finite, _validate_blockwise, check_kernel, read_metadata,
-                             write_packed)
-from pipeline.recipe import quantised_modules, replace
+from pipeline.packed import PACKED_VERSION, packed_format, plan_packed, read_metadata, write_packed
+from pipeline.packed_modules import DECODES, check_kernel, packed_layer
+from pipeline.recipe import replace
 from pipeline import safetensors_io
 from pipeline.safetensors_io import TORCH_DTYPES, StreamingWriter
 
@@ -271,50 +270,24 @@ class PackedHfQuantizer(HfQuantizer):
         if meta.get("format") != fmt.name:
             raise ValueError(f"{first}: metadata 'format' is {meta.get('format')!r}, but {config_json} "
                              f"quantization_config.format is {fmt.name!r}")
-        if meta.get("layout") != fmt.layout or meta.get("format_version") != PACKED_VERSION:
-            raise ValueError(f"{first}: metadata 'layout'/'format_version' are {meta.get('layout')!r}/"
-                             f"{meta.get('format_version')!r}, expected {fmt.layout!r}/{PACKED_VERSION!r}")
-        try:
-            shapes = json.loads(meta.get("shapes", "{}"))
-        except json.JSONDecodeError:
-            raise ValueError(f"{first}: metadata 'shapes' is not JSON") from None
+        packed_format(first, meta, fmt)
+        plan = plan_packed(first, meta, model, fmt, header, where)
         with torch.device("cpu"):                  # the model is built under a meta-device context
-            names = checkpoint_names(model)       # a tied lm_head gets its embedding's name, as the file has it
+            names = checkpoint_names(model)
         not_converted = set(cfg.modules_to_not_convert or ())
-        expected = {saved for saved in names.values()}
-        packed: dict[str, str] = {}
         tied = getattr(model, "all_tied_weights_keys", None) or {}
-        for module_name, module in list(quantised_modules(model)):
-            saved = names[f"{module_name}.weight"]
-            parts = {s: f"{saved}.{s}" for s in fmt.suffixes}
-            if parts[fmt.suffixes[0]] not in header:
-                continue                                   # stored unquantised: loaded as it is
-            if f"{module_name}.weight" in tied:            # shares its owner's packed tensors, loaded once
-                _untie(model, f"{module_name}.weight")
-                replace(model, module_name, _PackedSlot(module, None, tuple(module.weight.shape)))
-                packed[module_name] = saved
+        for p in plan:
+            module = model.get_submodule(p.module_name)
+            if p.tied or f"{p.module_name}.weight" in tied:    # shares its owner's packed tensors, loaded once
+                _untie(model, f"{p.module_name}.weight")
+                replace(model, p.module_name, _PackedSlot(module, None, p.shape))
                 continue
-            if saved.removesuffix(".weight") in not_converted:
-                raise ValueError(f"{where[parts[fmt.suffixes[0]]]}: {saved!r} is stored packed, but {config_json} "
-                                 f"quantization_config.modules_to_not_convert lists it")
-            for key in parts.values():
-                if key not in header:
-                    raise ValueError(f"{where[parts[fmt.suffixes[0]]]}: tensor {key!r} is missing "
-                                     f"(the other parts of {saved!r} are there)")
-            shape = tuple(shapes.get(saved, module.weight.shape))
-            if shape != tuple(module.weight.shape):
-                raise ValueError(f"{first}: metadata 'shapes' gives {saved!r} the shape {list(shape)}, the model "
-                                 f"({config_json}) expects {list(module.weight.shape)}")
-            specs = {}
-            for s, key in parts.items():
-                dtype = header[key][0]
-                if dtype not in TORCH_DTYPES:
-                    raise ValueError(f"{where[key]}: tensor {key!r} has dtype {dtype}")
-                specs[s] = (TORCH_DTYPES[dtype], header[key][1])
-            replace(model, module_name, _PackedSlot(module, specs, shape))
-            packed[module_name] = saved
-            expected.discard(saved)
-            expected.update(parts.values())
+            if p.saved.removesuffix(".weight") in not_converted:
+                raise ValueError(f"{where[p.parts[fmt.suffixes[0]]]}: {p.saved!r} is stored packed, but "
+                                 f"{config_json} quantization_config.modules_to_not_convert lists it")
+            specs = {s: (TORCH_DTYPES[header[key][0]], header[key][1]) for s, key in p.parts.items()}
+            replace(model, p.module_name, _PackedSlot(module, specs, p.shape))
+        expected = set(names.values()) - {p.saved for p in plan} | {k for p in plan for k in p.parts.values()}
         unknown = sorted(set(header) - expected)
         if unknown:
             raise ValueError(f"{where[unknown[0]]}: tensor {unknown[0]!r} does not belong to this model "
@@ -323,7 +296,8 @@ class PackedHfQuantizer(HfQuantizer):
         if missing:
             raise ValueError(f"{first}: {len(missing)} tensors the model ({config_json}) needs are missing, "
                              f"e.g. {missing[:3]}")
-        self.source = {"header": header, "metadata": meta, "names": names, "packed": packed, "file": first}
+        self.source = {"header": header, "metadata": meta, "names": names,
+                       "packed": {p.module_name: p.saved for p in plan}, "file": first}
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -340,28 +314,10 @@ class PackedHfQuantizer(HfQuantizer):
             saved = self.source["packed"][name]
             if saved not in loaded:
                 raise RuntimeError(f"packed tensors of {name!r} were not loaded")
-            tensors = loaded[saved]
-            if "scale" in tensors:
-                _check_finite(first, f"{saved}.scale", tensors["scale"].float(), positive=True)
             bias = None if slot.bias is None else slot.bias.detach()
-            native = slot.linear and self.kernel == "native"
-            try:
-                if cfg.decode == "eager" and not native:
-                    weight = fmt.unpack(tensors, slot.shape).to(self.dtype)
-                else:
-                    _validate_blockwise(fmt, tensors, slot.shape)
-            except ValueError as e:
-                raise ValueError(f"{first}: tensor {saved!r}: {e}") from None
-            if native:
-                layer = fmt.native_linear({s: t.cpu() for s, t in tensors.items()}, slot.shape, bias)
-            elif cfg.decode == "eager":
-                layer = (PackedLinear(weight, bias, cfg.act_quant) if slot.linear
-                         else PackedEmbedding(weight, slot.padding_idx))
-            elif slot.linear:
-                layer = LazyPackedLinear(fmt, tensors, slot.shape, bias, cfg.act_quant, self.dtype)
-            else:
-                layer = LazyPackedEmbedding(fmt, tensors, slot.shape, slot.padding_idx, self.dtype)
-            replace(model, name, layer)
+            replace(model, name, packed_layer(first, saved, fmt, loaded[saved], slot.shape, bias, slot.padding_idx,
+                                              linear=slot.linear, kernel=self.kernel, decode=cfg.decode,
+                                              act_quant=cfg.act_quant, dtype=self.dtype))
         # transformers' save_pretrained would write the model's state dict under a "format: pt" header and
         # the base model_type: save_packed writes the packed directory this model came from instead
         model.save_pretrained = functools.partial(save_packed, model)     # a partial survives pickle and deepcopy

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline import formats
 from pipeline.checkpoint import CheckpointReader
 from pipeline.formats import FormatBase
 from pipeline.models import checkpoint_names, meta_model
-from pipeline.quant import fake_quant_activations
-from pipeline.recipe import Quantised, quantised_modules, replace
+from pipeline.packed_modules import DECODES, check_finite, check_kernel, packed_layer
+from pipeline.recipe import quantised_modules, replace
 from pipeline.safetensors_io import DTYPES, StreamingWriter
 
 PACKED_VERSION = "1"
@@ -90,158 +89,6 @@ def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, sta
     return {"format": fmt.name, "file_bytes": size, "quantised_params": n_quantised,
             "bits_per_param_nominal": float(meta["bits_per_param_nominal"]),
             "bits_per_param_actual": float(meta["bits_per_param_actual"])}
-
-
-class PackedLinear(Quantised):
-    """A linear layer with its weight decoded once from the packed file; INT8 activations per token.
-
-    The forward equals the QAT forward (``QuantLinear``) bit for bit: same decoded weight, same
-    activation quantiser, same ``F.linear``."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_quant: bool) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.act_quant = act_quant
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant:
-            x = fake_quant_activations(x)
-        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-
-class PackedEmbedding(Quantised):
-    def __init__(self, weight: torch.Tensor, padding_idx: int | None) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.padding_idx = padding_idx
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight, self.padding_idx)
-
-
-_ROW_BLOCK_ELEMS = 1 << 20      # weights decoded at a time when validating or gathering embedding rows
-_LINEAR_BLOCK_ELEMS = 1 << 26   # a lazy Linear above this many weights is decoded in blocks of rows (256 MB fp32)
-
-
-def _block_rows(shape: tuple[int, int]) -> int:
-    return max(3, _ROW_BLOCK_ELEMS // max(shape[1], 1) // 3 * 3)
-
-
-def _validate_blockwise(fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
-    """Decode the weight block by block and drop it: the format's own checks run on every byte,
-    with memory bounded by one block."""
-    rows = _block_rows(shape)
-    if fmt.row_block(tensors, shape, 0, min(rows, shape[0])) is None:
-        fmt.unpack(tensors, shape)
-        return
-    for r0 in range(0, shape[0], rows):
-        part, part_shape = fmt.row_block(tensors, shape, r0, min(r0 + rows, shape[0]))
-        fmt.unpack(part, part_shape)
-
-
-class _LazyPacked(Quantised):
-    """Holds a weight's packed tensors (buffers ``weight_<suffix>``) and decodes on demand, with the
-    format's own ``unpack``: the numbers equal the eagerly decoded weight's bit for bit."""
-
-    def _setup(self, fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
-               dtype: torch.dtype) -> None:
-        self.format = fmt
-        self.shape = tuple(shape)
-        self.weight_dtype = dtype
-        for suffix in fmt.suffixes:
-            self.register_buffer(f"weight_{suffix}", tensors[suffix])
-
-    @property
-    def packed_tensors(self) -> dict[str, torch.Tensor]:
-        return {s: getattr(self, f"weight_{s}") for s in self.format.suffixes}
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The whole decoded weight (built on every access: the module keeps only the packed bytes)."""
-        return self.format.unpack(self.packed_tensors, self.shape).to(self.weight_dtype)
-
-    def extra_repr(self) -> str:
-        return f"format={self.format.name}, shape={list(self.shape)}, decode=lazy"
-
-
-class LazyPackedLinear(_LazyPacked):
-    """:class:`PackedLinear` that keeps the packed tensors and decodes the weight in each forward."""
-
-    def __init__(self, fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
-                 bias: torch.Tensor | None, act_quant: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self._setup(fmt, tensors, shape, dtype)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.act_quant = act_quant
-        self.out_features, self.in_features = self.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant:
-            x = fake_quant_activations(x)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        d_out, d_in = self.shape
-        rows = max(3, _LINEAR_BLOCK_ELEMS // d_in // 3 * 3)
-        tensors = self.packed_tensors
-        if d_out <= rows or self.format.row_block(tensors, self.shape, 0, rows) is None:
-            return F.linear(x, self.weight.to(x.dtype), bias)
-        # A big weight (the 11B's lm_head: 128,256 x 4,096, 2.1 GB in fp32) is decoded a block of output rows
-        # at a time, each block's outputs written in place: the temporaries stay one block whatever its size.
-        # Each output is the same dot product; only a BLAS that picks another kernel for the block's shape
-        # can change the last bits (tested to 1e-5; toy-sized weights never take this path).
-        out = torch.empty(*x.shape[:-1], d_out, dtype=x.dtype, device=x.device)
-        for r0 in range(0, d_out, rows):
-            r1 = min(r0 + rows, d_out)
-            part, part_shape = self.format.row_block(tensors, self.shape, r0, r1)
-            w = self.format.unpack(part, part_shape).to(x.dtype)
-            out[..., r0:r1] = F.linear(x, w, None if bias is None else bias[r0:r1])
-        return out
-
-
-class LazyPackedEmbedding(_LazyPacked):
-    """:class:`PackedEmbedding` that keeps the packed tensors and decodes only the rows a forward looks
-    up (in blocks of rows), so a 128k-token table is never decoded whole."""
-
-    def __init__(self, fmt: FormatBase, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
-                 padding_idx: int | None, dtype: torch.dtype) -> None:
-        super().__init__()
-        self._setup(fmt, tensors, shape, dtype)
-        self.padding_idx = padding_idx
-        self.num_embeddings, self.embedding_dim = self.shape
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        d_out, d_in = self.shape
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= d_out):
-            raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], "
-                             f"{d_out} embeddings")
-        tensors = self.packed_tensors
-        rows = _block_rows(self.shape)
-        if self.format.row_block(tensors, self.shape, 0, min(rows, d_out)) is None:
-            return F.embedding(ids, self.weight, self.padding_idx)
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        gathered = torch.empty(unique.numel(), d_in, dtype=self.weight_dtype, device=ids.device)
-        blocks = unique // rows
-        for b in torch.unique(blocks).tolist():
-            r0 = b * rows
-            part, part_shape = self.format.row_block(tensors, self.shape, r0, min(r0 + rows, d_out))
-            decoded = self.format.unpack(part, part_shape).to(self.weight_dtype)
-            where = (blocks == b).nonzero().reshape(-1)
-            gathered[where] = decoded[unique[where] - r0]
-        return gathered[inverse.reshape(ids.shape)]
-
-
-KERNELS = ("torch", "native")
-DECODES = ("eager", "lazy")
-
-
-def check_kernel(kernel: str, fmt: FormatBase, act_quant: bool = True) -> None:
-    """``kernel="native"`` needs a format the native kernels run, with INT8 activations."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
-    if kernel == "native" and not (fmt.native_kernel and act_quant):
-        raise ValueError(f"kernel 'native' runs formats with a native kernel and INT8 activations only "
-                         f"(format {fmt.name!r}, act_quant={act_quant})")
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
@@ -321,19 +168,6 @@ def _model_on_meta(path, meta: dict[str, str], config, dtype: torch.dtype, n_ten
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _check_finite(path, key: str, t: torch.Tensor, positive: bool = False) -> None:
-    if not t.numel():
-        return
-    ok = torch.isfinite(t)
-    if positive:
-        ok &= t > 0
-    if not bool(ok.all()):
-        index = (~ok).nonzero()[0].tolist()
-        value = float(t[tuple(index)])
-        rule = "finite and > 0" if positive else "finite"
-        raise ValueError(f"{path}: tensor {key!r} must be {rule}, got {value} at index {index}")
-
-
 def _materialise_non_persistent(path, model: nn.Module) -> None:
     """Buffers the checkpoint never holds (rotary ``inv_freq``) are recomputed from the config, the way
     transformers' own loader does, after the model was built on ``meta``."""
@@ -361,12 +195,82 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 @dataclass
-class _PackedWeight:
+class PackedWeight:
+    """One quantised module of a model whose weight a packed file holds packed."""
     module_name: str
     saved: str                  # checkpoint name of the weight, P.weight
     parts: dict[str, str]       # suffix -> tensor name
-    shape: tuple[int, int]
+    shape: tuple[int, int]      # the logical [d_out, d_in]
     bias: str | None            # checkpoint name of the bias (Linear with a bias)
+    tied: bool                  # shares an earlier module's packed tensors (a tied lm_head): none of its own
+
+
+def packed_format(path, meta: dict[str, str], fmt: FormatBase | None = None) -> FormatBase:
+    """The format a packed file's metadata names (``fmt`` when given: then it must name that one), with its
+    ``format_version``, ``layout`` and the format's own metadata checked."""
+    packable = {f.name: f for f in formats.packable()}
+    if fmt is None:
+        if meta.get("format") not in packable:
+            raise ValueError(f"{path}: metadata 'format' is {str(meta.get('format'))[:80]!r}, not one of "
+                             f"{sorted(packable)}")
+        fmt = packable[meta["format"]]
+    if meta.get("format_version", PACKED_VERSION) != PACKED_VERSION:
+        raise ValueError(f"{path}: metadata 'format_version' is {meta['format_version'][:40]!r}, this reader "
+                         f"reads version {PACKED_VERSION!r}")
+    if meta.get("layout", fmt.layout) != fmt.layout:
+        raise ValueError(f"{path}: metadata 'layout' is {meta['layout'][:80]!r}, format {fmt.name!r} has "
+                         f"layout {fmt.layout!r}")
+    for key, value in fmt.file_metadata().items():
+        if meta.get(key, value) != value:
+            raise ValueError(f"{path}: metadata {key!r} is {meta[key][:80]!r}, expected {value!r}")
+    return fmt
+
+
+def plan_packed(path, meta: dict[str, str], model: nn.Module, fmt: FormatBase,
+                header: dict[str, tuple[str, list[int]]], where: dict[str, str] | None = None) -> list[PackedWeight]:
+    """The quantised modules of ``model`` (built on ``meta``) that a packed file holds packed, from its headers
+    alone (``header``: tensor -> (safetensors dtype, shape), of every file; ``where``: tensor -> its file, for
+    messages): every part present with the dtype and shape ``fmt.packed_specs`` gives for the weight's logical
+    shape (metadata ``shapes``, checked against the model's), none also stored unpacked. Nothing is read."""
+    where = where or {}
+    shapes = _logical_shapes(path, meta)
+    with torch.device("cpu"):                # under transformers' meta-device context, names need real tensors
+        names = checkpoint_names(model)      # a tied lm_head gets its embedding's name, as the file has it
+    plan: list[PackedWeight] = []
+    seen: set[str] = set()
+    for module_name, module in quantised_modules(model):
+        saved = names[f"{module_name}.weight"]
+        parts = {s: f"{saved}.{s}" for s in fmt.suffixes}
+        present = [k for k in parts.values() if k in header]
+        if not present:
+            continue                                           # stored unquantised
+        file = where.get(present[0], path)
+        for key in parts.values():
+            if key not in header:
+                raise ValueError(f"{file}: tensor {key!r} is missing (the other parts of {saved!r} are there)")
+        if saved in header:
+            raise ValueError(f"{file}: tensor {saved!r} is stored both packed and unpacked")
+        expected = tuple(module.weight.shape)
+        shape = shapes.get(saved, expected)
+        if shape != expected:
+            raise ValueError(f"{path}: metadata 'shapes' gives {saved!r} the logical shape {list(shape)}, the "
+                             f"model expects {list(expected)}")
+        for suffix, (want_dtype, want_shape) in fmt.packed_specs(shape, {}).items():
+            key = parts[suffix]
+            got_dtype, got_shape = header[key]
+            if got_dtype != DTYPES[want_dtype]:
+                raise ValueError(f"{where.get(key, path)}: tensor {key!r} has dtype {got_dtype}, format "
+                                 f"{fmt.name!r} stores it as {DTYPES[want_dtype]}")
+            if tuple(got_shape) != tuple(want_shape):
+                raise ValueError(f"{where.get(key, path)}: tensor {key!r} has shape {list(got_shape)}, a weight "
+                                 f"of logical shape {list(shape)} needs {list(want_shape)}")
+        bias = names[f"{module_name}.bias"] if isinstance(module, nn.Linear) and module.bias is not None else None
+        plan.append(PackedWeight(module_name, saved, parts, shape, bias, tied=saved in seen))
+        seen.add(saved)
+    unknown = sorted(set(shapes) - seen)
+    if unknown:
+        raise ValueError(f"{path}: metadata 'shapes' names {unknown[0]!r}, which the file does not hold packed")
+    return plan
 
 
 def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
@@ -393,65 +297,18 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
         raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODES)}")
     reader = CheckpointReader(path)
     meta = reader.metadata()
-    packable = {f.name: f for f in formats.packable()}
-    if meta.get("format") not in packable:
-        raise ValueError(f"{path}: metadata 'format' is {str(meta.get('format'))[:80]!r}, not one of {sorted(packable)}")
-    fmt = packable[meta["format"]]
+    fmt = packed_format(path, meta)
     check_kernel(kernel, fmt, act_quant)
-    if meta.get("format_version", PACKED_VERSION) != PACKED_VERSION:
-        raise ValueError(f"{path}: metadata 'format_version' is {meta['format_version'][:40]!r}, this reader "
-                         f"reads version {PACKED_VERSION!r}")
-    if meta.get("layout", fmt.layout) != fmt.layout:
-        raise ValueError(f"{path}: metadata 'layout' is {meta['layout'][:80]!r}, format {fmt.name!r} has "
-                         f"layout {fmt.layout!r}")
-    for key, value in fmt.file_metadata().items():
-        if meta.get(key, value) != value:
-            raise ValueError(f"{path}: metadata {key!r} is {meta[key][:80]!r}, expected {value!r}")
-    shapes = _logical_shapes(path, meta)
     keys = set(reader.keys())
     model = _model_on_meta(path, meta, config, dtype, len(keys))
-    names = checkpoint_names(model)          # a tied lm_head reads the embedding's packed tensors
+    names = checkpoint_names(model)
     to_module = {v: k for k, v in names.items()}
     targets = model.state_dict(keep_vars=True)           # meta tensors: names, shapes, dtypes
 
     # --- plan from the headers alone: nothing is read or allocated yet -----------------------------------
-    plan: list[_PackedWeight] = []
-    used: set[str] = set()        # checkpoint tensors consumed by packed modules
-    covered: set[str] = set()     # model state names those modules provide
-    for module_name, module in quantised_modules(model):
-        saved = names[f"{module_name}.weight"]
-        parts = {s: f"{saved}.{s}" for s in fmt.suffixes}
-        present = [k for k in parts.values() if k in keys]
-        if not present:
-            continue
-        for key in parts.values():
-            if key not in keys:
-                raise ValueError(f"{path}: tensor {key!r} is missing (the other parts of {saved!r} are there)")
-        if saved in keys:
-            raise ValueError(f"{path}: tensor {saved!r} is stored both packed and unpacked")
-        expected = tuple(module.weight.shape)
-        shape = shapes.get(saved, expected)
-        if shape != expected:
-            raise ValueError(f"{path}: metadata 'shapes' gives {saved!r} the logical shape {list(shape)}, the "
-                             f"model expects {list(expected)}")
-        for suffix, (want_dtype, want_shape) in fmt.packed_specs(shape, {}).items():
-            key = parts[suffix]
-            got_dtype, got_shape = reader.dtype_name(key), reader.shape(key)
-            if got_dtype != DTYPES[want_dtype]:
-                raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, format {fmt.name!r} stores it "
-                                 f"as {DTYPES[want_dtype]}")
-            if tuple(got_shape) != tuple(want_shape):
-                raise ValueError(f"{path}: tensor {key!r} has shape {list(got_shape)}, a weight of logical shape "
-                                 f"{list(shape)} needs {list(want_shape)}")
-        bias = None
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            bias = names[f"{module_name}.bias"]
-        plan.append(_PackedWeight(module_name, saved, parts, shape, bias))
-        used.update(parts.values())
-        covered.add(f"{module_name}.weight")
-    unknown = sorted(set(shapes) - {p.saved for p in plan})
-    if unknown:
-        raise ValueError(f"{path}: metadata 'shapes' names {unknown[0]!r}, which the file does not hold packed")
+    plan = plan_packed(path, meta, model, fmt, {k: (reader.dtype_name(k), reader.shape(k)) for k in keys})
+    used = {k for p in plan for k in p.parts.values()}              # checkpoint tensors packed modules consume
+    covered = {f"{p.module_name}.weight" for p in plan}             # model state names those modules provide
     plain: dict[str, str] = {}    # checkpoint name -> model state name
     float_dtypes: dict[str, list[str]] = {}
     for key in sorted(keys - used):
@@ -467,9 +324,9 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
                 raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects a floating-point "
                                  f"tensor")
             float_dtypes.setdefault(got_dtype, []).append(key)
-        elif got_dtype != _DTYPE_NAMES.get(target.dtype):
+        elif got_dtype != DTYPES.get(target.dtype):
             raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects "
-                             f"{_DTYPE_NAMES.get(target.dtype, target.dtype)}")
+                             f"{DTYPES.get(target.dtype, target.dtype)}")
         plain[key] = to_module[key]
     if len(float_dtypes) > 1:     # the writer stores every unquantised tensor in one dtype
         odd = min(float_dtypes.items(), key=lambda kv: (len(kv[1]), kv[0]))
@@ -481,35 +338,23 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
                          f"{[names.get(k, k) for k in missing[:3]]}")
 
     # --- materialise, tensor by tensor ----------------------------------------------------------------------
+    shared = {p.saved for p in plan if p.tied}
+    read: dict[str, dict[str, torch.Tensor]] = {}     # the packed tensors a tied module will share
     for p in plan:
-        tensors = {s: reader.get(k) for s, k in p.parts.items()}
-        if "scale" in tensors:
-            _check_finite(path, p.parts["scale"], tensors["scale"].float(), positive=True)
-        module = model.get_submodule(p.module_name)
-        try:
-            if decode == "eager" and not (kernel == "native" and isinstance(module, nn.Linear)):
-                weight = fmt.unpack(tensors, p.shape).to(dtype)
-            else:
-                _validate_blockwise(fmt, tensors, p.shape)
-        except ValueError as e:
-            raise ValueError(f"{path}: tensor {p.saved!r}: {e}") from None
+        tensors = read.get(p.saved) or {s: reader.get(k) for s, k in p.parts.items()}
+        if p.saved in shared:
+            read[p.saved] = tensors
         bias = None
         if p.bias is not None:
             bias = reader.get(p.bias)
-            _check_finite(path, p.bias, bias.float())
+            check_finite(path, p.bias, bias.float())
             bias = bias.to(dtype)
-        if isinstance(module, nn.Linear):
-            if kernel == "native":  # the packed bytes through the native kernels (INT8 activations per token)
-                layer = fmt.native_linear(tensors, p.shape, bias)
-            elif decode == "lazy":
-                layer = LazyPackedLinear(fmt, tensors, p.shape, bias, act_quant, dtype)
-            else:
-                layer = PackedLinear(weight, bias, act_quant)
-        elif decode == "lazy":
-            layer = LazyPackedEmbedding(fmt, tensors, p.shape, module.padding_idx, dtype)
-        else:
-            layer = PackedEmbedding(weight, module.padding_idx)
-        replace(model, p.module_name, layer)
+        module = model.get_submodule(p.module_name)
+        replace(model, p.module_name, packed_layer(path, p.saved, fmt, tensors, p.shape, bias,
+                                                   getattr(module, "padding_idx", None),
+                                                   linear=isinstance(module, nn.Linear), kernel=kernel,
+                                                   decode=decode, act_quant=act_quant, dtype=dtype))
+    del read
     biases = {p.bias for p in plan}
     for key, state_name in plain.items():
         if key in biases:         # read with its packed weight
@@ -517,7 +362,7 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
         t = reader.get(key)
         target = targets[state_name]
         if t.is_floating_point():
-            _check_finite(path, key, t)
+            check_finite(path, key, t)
             t = t.to(target.dtype)
         _assign(model, state_name, t)
     del reader

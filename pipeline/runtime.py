@@ -356,7 +356,8 @@ def hf_llama(path: str | Path):
 
 def hf_mllama(path: str | Path):
     """The packed S3D8 Mllama on the native kernels, embeddings decoding only the looked-up rows."""
-    from pipeline.packed import LazyPackedEmbedding, load_packed_model
+    from pipeline.packed import load_packed_model
+    from pipeline.packed_modules import LazyPackedEmbedding
 
     model = load_packed_model(path, kernel="native", decode="lazy")
     for name, module in list(model.named_modules()):

@@ -20,7 +20,8 @@ from pipeline.fit import fit_model
 from pipeline.hf import (INDEX_NAME, MODEL_TYPE, PackedQuantConfig, fill_card, read_header, weight_bytes,
                          write_model_dir)
 from pipeline.models import load_config
-from pipeline.packed import LazyPackedEmbedding, LazyPackedLinear, PackedLinear, load_packed_model, read_metadata
+from pipeline.packed import load_packed_model, read_metadata
+from pipeline.packed_modules import LazyPackedEmbedding, LazyPackedLinear, PackedLinear
 from tests.stage_helpers import build_tiny_teacher
 
 SHARD_LIMIT = 60_000          # bytes: the int model (about 190 kB) is written as several shards

@@ -85,7 +85,7 @@ def test_c_decode_step_gives_the_torch_paths_tokens_and_cache(synth, fmt):
 def test_s3d8_lean_llama_equals_the_torch_fake_quant_reference(synth):
     """The lean decoder on native kernels vs HF Llama with decoded weights and fake-quantised INT8
     activations (the QAT forward): the same greedy tokens."""
-    from pipeline.packed import PackedLinear
+    from pipeline.packed_modules import PackedLinear
 
     lean = runtime.LeanLlama(synth["s3d8"], 64)
     ref = runtime.hf_llama(synth["s3d8"])

@@ -15,7 +15,8 @@ from pipeline.eval.kl import HeldoutKL
 from pipeline.eval.runner import evaluate
 from pipeline.eval.tasks import family_of, load_task
 from pipeline.models import dtype_of, load_model, load_processor, token_ids
-from pipeline.packed import DECODES, check_kernel, load_packed_model, read_metadata
+from pipeline.packed import load_packed_model, read_metadata
+from pipeline.packed_modules import DECODES, check_kernel
 from pipeline.params import non_negative, positive
 from pipeline.qat.data import load_examples, split_heldout
 from pipeline.stage import console
