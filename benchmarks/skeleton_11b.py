@@ -402,7 +402,7 @@ def _step_pack(preset: str, phases: Phases) -> dict:
 
     from pipeline import formats
     from pipeline.checkpoint import CheckpointReader
-    from pipeline.hf import write_model_dir
+    from pipeline.hf_write import write_model_dir
     from pipeline.models import load_config
 
     d = dirs(preset)

@@ -36,7 +36,7 @@ def _model_dir(path: str, tokenizer: str | None) -> str:
     """The directory with the tokenizer / processor for a packed model (``--tokenizer``, the model directory,
     or the packed file's source model)."""
     from pipeline.checkpoint import CheckpointReader
-    from pipeline.sqt import tokenizer_dir
+    from pipeline.sqt_blocks import tokenizer_dir
 
     file = _packed_file(path)
     directory = Path(path) if Path(path).is_dir() else None
@@ -61,7 +61,7 @@ def cmd_pack(args) -> int:
     states, report = fit_model(fmt, str(source), seed=args.seed)
     metadata = {"config": load_config(str(source)).to_dict(), "method": "direct-cast", "source_model": args.model}
     if as_dir:      # the Hugging Face directory pack-safetensors writes (config, processor, card), atomically
-        from pipeline.hf import write_model_dir
+        from pipeline.hf_write import write_model_dir
         from pipeline.io import atomic_dir
 
         name = args.model.rstrip("/").rpartition("/")[2]

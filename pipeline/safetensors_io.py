@@ -53,6 +53,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str
     return header, meta, 8 + n
 
 
+def tensor_specs(path: str | os.PathLike) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
+    """``({tensor: (dtype name, shape)}, metadata)`` of a safetensors file, from :func:`read_header`."""
+    entries, meta, _ = read_header(path)
+    return {k: (v["dtype"], list(v["shape"])) for k, v in entries.items()}, meta
+
+
 class StreamingWriter:
     """Write a safetensors file tensor by tensor, in the order the tensors were declared.
 

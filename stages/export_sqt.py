@@ -14,7 +14,8 @@ import argparse
 import os
 
 from pipeline.io import atomic_dir
-from pipeline.sqt import export, read_sqt, summary
+from pipeline.sqt import export
+from pipeline.sqt_read import read_sqt, summary
 from pipeline.stage import console, stage_errors
 
 METHODS = ("direct-cast", "qat")

@@ -7,7 +7,7 @@
 (``pipeline/hf.py``): ``config.json`` with a ``quantization_config``, the processor files,
 ``generation_config.json``, a model card and ``model.safetensors`` laid out as SPEC section 7 (S3D8:
 readable by the Llama-Mobile reference loader) or our documented scalar layout, sharded with an index above
-``pipeline.hf.MAX_SHARD_SIZE``. Streams tensor by tensor; S3D8 uses the native encoder. Sizes and bits per
+``pipeline.hf_config.MAX_SHARD_SIZE``. Streams tensor by tensor; S3D8 uses the native encoder. Sizes and bits per
 parameter go to ``reports/pack/<format>.json``. The direct cast is stage direct-cast's
 (``models/direct-cast/<format>/``, cast by ``pack.method``), packed as it is.
 """
@@ -25,7 +25,7 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.direct_cast import DirectCast
 from pipeline.fit import check_states
 from pipeline.formats.base import check_weight
-from pipeline.hf import write_model_dir
+from pipeline.hf_write import write_model_dir
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
 from pipeline.ptq import PackParams

@@ -26,7 +26,7 @@ def toy_packed(tmp_path_factory):
     from pipeline import formats
     from pipeline.checkpoint import CheckpointReader
     from pipeline.formats.s3d8 import fit_centroids
-    from pipeline.hf import write_model_dir
+    from pipeline.hf_write import write_model_dir
     from pipeline.models import load_config, meta_model, quantised_weight_names
 
     reader = CheckpointReader(TOY_TEACHER)

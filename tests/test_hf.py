@@ -17,8 +17,10 @@ import pipeline  # noqa: F401  (registers the packed formats with transformers)
 from pipeline import formats
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import fit_model
-from pipeline.hf import (INDEX_NAME, MODEL_TYPE, PackedQuantConfig, fill_card, read_header, weight_bytes,
-                         write_model_dir)
+from pipeline.hf import PackedQuantConfig
+from pipeline.hf_config import INDEX_NAME, MODEL_TYPE
+from pipeline.hf_write import fill_card, weight_bytes, write_model_dir
+from pipeline.safetensors_io import tensor_specs
 from pipeline.models import load_config
 from pipeline.packed import load_packed_model, read_metadata
 from pipeline.packed_modules import LazyPackedEmbedding, LazyPackedLinear, PackedLinear
@@ -89,7 +91,7 @@ def test_layout(packed):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 3 and not (packed / "int" / "model.safetensors").exists()
     for shard in shards:
-        tensors, meta = read_header(packed / "int" / shard)
+        tensors, meta = tensor_specs(packed / "int" / shard)
         assert meta["format"] == "int" and set(tensors) == {k for k, v in index["weight_map"].items() if v == shard}
         assert sum((packed / "int" / s).stat().st_size for s in shards) < 3 * SHARD_LIMIT + 20_000
     parts = {k.rpartition(".")[0]: v for k, v in index["weight_map"].items() if k.endswith(".codes")}

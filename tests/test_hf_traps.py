@@ -18,7 +18,9 @@ import torch
 import pipeline  # noqa: F401  (registers the packed formats with transformers)
 from pipeline import formats
 from pipeline.checkpoint import CheckpointReader
-from pipeline.hf import HINT_KEY, INDEX_NAME, INSTALL, MODEL_TYPE, PackedQuantConfig, guard_model_type, write_model_dir
+from pipeline.hf import PackedQuantConfig
+from pipeline.hf_config import HINT_KEY, INDEX_NAME, INSTALL, MODEL_TYPE, guard_model_type
+from pipeline.hf_write import write_model_dir
 from pipeline.packed import load_packed_model, read_metadata
 from tests.test_hf import SHARD_LIMIT, from_pretrained, inputs, packed, teacher, write  # noqa: F401  (the fixtures)
 

@@ -17,8 +17,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from pipeline import gguf_import  # noqa: E402
+from pipeline.bench import llama_cpp_files as lc  # noqa: E402
 from pipeline.bench import real_model as rm  # noqa: E402
-from tests.test_teacher_import import tiny_llama, vocabulary, write_tiny_llama_gguf  # noqa: E402
+from pipeline.bench import real_model_report as report  # noqa: E402
+from tests.test_teacher_import import tiny_llama, write_tiny_llama_gguf  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"name", "impl", "format", "method", "bits_per_weight", "file_bytes", "kl", "top1_agreement", "perplexity",
@@ -40,7 +42,7 @@ def teacher(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bf16_gguf(teacher, tmp_path_factory):
     _, src, teacher_dir = teacher
-    return rm.write_teacher_gguf(teacher_dir, rm.source_gguf(teacher_dir), tmp_path_factory.mktemp("gguf") / "bf16.gguf")
+    return lc.write_teacher_gguf(teacher_dir, lc.source_gguf(teacher_dir), tmp_path_factory.mktemp("gguf") / "bf16.gguf")
 
 
 # --- census and bits per weight -----------------------------------------------------------------------------------
@@ -49,7 +51,7 @@ def bf16_gguf(teacher, tmp_path_factory):
 def test_census_counts_the_2d_weights_by_type(tmp_path, qtype, bits):
     model = tiny_llama()
     path = write_tiny_llama_gguf(tmp_path / "t.gguf", model, qtype=qtype)
-    c = rm.census(path)
+    c = lc.census(path)
     n_layers = model.config.num_hidden_layers
     matrices = {k: v for k, v in model.state_dict().items() if v.dim() == 2 and k != "lm_head.weight"}   # tied
     weights = sum(v.numel() for v in matrices.values())
@@ -74,7 +76,7 @@ def test_packed_census_counts_every_part_of_a_weight(tmp_path):
                "norm.weight": torch.ones(8, dtype=torch.bfloat16)}
     path = tmp_path / "p.safetensors"
     save_file(tensors, str(path), metadata={"shapes": json.dumps({"a.weight": [4, 8]}), "bits_per_param_actual": "3.5"})
-    c = rm.packed_census(path)
+    c = lc.packed_census(path)
     assert c["weights"] == 4 * 8 + 2 * 8
     assert c["weight_bytes"] == 12 + 8 + 96 + 32                 # packed, scale, table of a; b in bf16; no norm
     assert c["bits_per_weight"] == pytest.approx(8 * 148 / 48)
@@ -82,11 +84,11 @@ def test_packed_census_counts_every_part_of_a_weight(tmp_path):
 
 
 def test_types_expand_with_the_embedding_at_the_main_type():
-    assert rm.expand_types("Q4_K_M,Q8_0") == ["Q4_K_M", "Q4_K_M+embd:Q4_K", "Q8_0", "Q8_0+embd:Q8_0"]
-    assert rm.expand_types("Q2_K+embd:Q4_0") == ["Q2_K+embd:Q4_0"]
-    assert rm.embedding_type("IQ3_M") == "IQ3_S" and rm.embedding_type("Q3_K_S") == "Q3_K"
-    assert set(rm.REQUIRED_TYPES) <= set(rm.ALL_TYPES)
-    assert len(rm.expand_types("required")) == 2 * len(rm.REQUIRED_TYPES)
+    assert lc.expand_types("Q4_K_M,Q8_0") == ["Q4_K_M", "Q4_K_M+embd:Q4_K", "Q8_0", "Q8_0+embd:Q8_0"]
+    assert lc.expand_types("Q2_K+embd:Q4_0") == ["Q2_K+embd:Q4_0"]
+    assert lc.embedding_type("IQ3_M") == "IQ3_S" and lc.embedding_type("Q3_K_S") == "Q3_K"
+    assert set(lc.REQUIRED_TYPES) <= set(lc.ALL_TYPES)
+    assert len(lc.expand_types("required")) == 2 * len(lc.REQUIRED_TYPES)
 
 
 def test_a_failed_child_is_one_line_with_llama_cpp_s_message():
@@ -140,15 +142,15 @@ def test_teacher_gguf_is_written_atomically(teacher, tmp_path):
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:, :-1].contiguous()
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match="up_proj"):
-        rm.write_teacher_gguf(bad, src, out)
+        lc.write_teacher_gguf(bad, src, out)
     assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["bad", "bf16.gguf"]
 
 
 def test_source_gguf_comes_from_the_import_record(teacher, tmp_path):
     _, src, teacher_dir = teacher
-    assert rm.source_gguf(teacher_dir) == src
+    assert lc.source_gguf(teacher_dir) == src
     with pytest.raises(FileNotFoundError, match="teacher_import.json"):
-        rm.source_gguf(tmp_path)
+        lc.source_gguf(tmp_path)
 
 
 # --- report -------------------------------------------------------------------------------------------------------
@@ -188,7 +190,7 @@ def test_report_table_goals_and_plot(tmp_path):
         if r["format"] == "Q2_K" and r["threads"] == 2:
             r["decode_tokens_per_s"] = 45.0
     data = _data(rows)
-    rm.write_report(data, tmp_path)
+    report.write_report(data, tmp_path)
     back = json.loads((tmp_path / "real_model.json").read_text())
     assert {"teacher", "rows"} <= set(back) and back["teacher"]["corpus"]["name"]
     assert all(ROW_KEYS <= set(r) for r in back["rows"]) and {r["impl"] for r in back["rows"]} == {"ours", "llama.cpp"}
@@ -219,7 +221,7 @@ def test_report_without_our_models_says_not_measured(tmp_path):
     rows[0]["error"] = "speed: killed by SIGSEGV"
     rows[0]["llama_cpp_extra_bufts"] = False
     rows[0]["llama_cpp_extra_bufts_note"] = "off: with them on, the prompt pass failed (killed by SIGSEGV)"
-    rm.write_report({**_data(rows), "complete": False, "models_planned": 3}, tmp_path)
+    report.write_report({**_data(rows), "complete": False, "models_planned": 3}, tmp_path)
     md = (tmp_path / "real_model.md").read_text()
     assert md.startswith("# A real teacher side by side with llama.cpp (partial: 1 of 3 models measured")
     assert "S3D8 + QAT vs llama.cpp files <= 5.5 bits: **not measured**" in md
@@ -256,7 +258,7 @@ def test_bf16_gguf_logits_and_tokens_equal_the_teacher_s(teacher, bf16_gguf):
     tok = AutoTokenizer.from_pretrained(str(teacher_dir))
     text = "the cat at the th he cat, the cat."
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    fn, llm = rm.llama_cpp_logits_fn(bf16_gguf, 64, 1, extra_bufts=False)
+    fn, llm = lc.llama_cpp_logits_fn(bf16_gguf, 64, 1, extra_bufts=False)
     try:
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids
         chat = "<|im_start|>user\nthe cat<|im_end|>\n"
@@ -282,7 +284,7 @@ def test_llama_cpp_quantizes_records_refusals_and_counts(teacher, tmp_path):
     assert [r["type"] for r in refusals] == ["Q1_0"]
     assert "no tensor type fallback" in refusals[0]["message"] and "status 1" in refusals[0]["message"]
     assert len(notes) == 1 and notes[0].startswith("llama.cpp Q8_0+embd:Q8_0: the same bytes as Q8_0")
-    c = rm.census(models[2]["path"])
+    c = lc.census(models[2]["path"])
     assert set(c["types"]) == {"F32", "Q8_0"} and c["bits_per_weight"] == pytest.approx(8.5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["Q8_0-embd-Q8_0.gguf", "Q8_0.gguf", "bf16.gguf"]   # no tmp
     stamp = (tmp_path / "Q8_0.gguf").stat().st_mtime_ns
@@ -363,7 +365,7 @@ def test_our_packed_rows_census_quality_and_speed(teacher, tmp_path):
     found, notes = rm.packed_models(tmp_path / "packed", AutoConfig.from_pretrained(str(teacher_dir)))
     assert [(m["format"], m["method"]) for m in found] == [("s3d8", "direct-cast")]
     assert len(notes) == 1 and "qat/model.safetensors: skipped (packed from another model" in notes[0]
-    c = rm.packed_census(path)
+    c = lc.packed_census(path)
     assert c["weights"] == sum(v.numel() for k, v in model.state_dict().items() if v.dim() == 2 and k != "lm_head.weight")
     assert 2.5 < c["bits_per_weight"] < 4                  # 2.67 bits plus scales and tables on tiny matrices
     examples = [Example(0, None, (1, 5, 9, 12), (20, 31, 7, 2))]

@@ -16,8 +16,10 @@ from pipeline import formats
 from pipeline.checkpoint import CheckpointReader
 from pipeline.safetensors_io import write_tensors
 from pipeline.packed import write_packed
-from pipeline.sqt import (MAGIC, VERSION, SqtError, align, expected_bytes, export, read_sqt, standard_name,
-                          vocab_block)
+from pipeline.sqt import export, standard_name
+from pipeline.sqt_blocks import vocab_block
+from pipeline.sqt_layout import MAGIC, VERSION, SqtError, align, expected_bytes
+from pipeline.sqt_read import read_sqt
 from tests.stage_helpers import REPO, build_tiny_teacher
 from tests.test_packed import fit_all
 

@@ -1,0 +1,186 @@
+"""The real-model benchmark's report, written from its data alone (so that it can be rewritten or tested without
+running anything): ``real_model.json``, ``real_model.md`` with the goals on the measured numbers, and
+``real_model.png``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.bench import generate
+from pipeline.io import atomic_path, write_json, write_text
+
+GOAL_MAX_BITS = 5.5          # llama.cpp files S3D8+QAT is compared with
+GOAL_SIZE_FRACTION = 0.5     # ... at this fraction of their size or less
+GOAL_PPL_FACTOR = 1.2        # S3D8+QAT perplexity within 20 % of the teacher's
+GOAL_SPEED = 1.3             # S3D8 decode vs llama.cpp's fastest file of the teacher, on each thread count
+
+
+def _models(rows: list[dict]) -> list[dict]:
+    """One row per model (the first thread count's), for quality, which does not depend on threads."""
+    seen, out = set(), []
+    for r in rows:
+        if r["name"] not in seen:
+            seen.add(r["name"])
+            out.append(r)
+    return out
+
+
+def _ok(r: dict | None) -> bool:
+    return r is not None and r.get("kl") is not None and r.get("perplexity") is not None
+
+
+def _find(models: list[dict], fmt: str, methods: tuple[str, ...]) -> dict | None:
+    for r in models:
+        if r["impl"] == "ours" and r["format"] == fmt and r["method"].replace("_", "-") in methods:
+            return r
+    return None
+
+
+def goals(data: dict) -> list[str]:
+    """The goals on the measured numbers, one markdown bullet each: quality (S3D8 + QAT and its direct cast against
+    llama.cpp's files) and decode speed against llama.cpp's fastest file."""
+    models = _models(data["rows"])
+    teacher_ppl = data["teacher"]["perplexity"]
+    llama = [r for r in models if r["impl"] == "llama.cpp" and _ok(r)]
+    out = []
+    qat = _find(models, "s3d8", ("qat",))
+    if not _ok(qat):
+        out.append("- S3D8 + QAT vs llama.cpp files <= 5.5 bits: **not measured** (no packed S3D8 QAT model of this "
+                   "teacher" + (f": {qat['error']}" if qat and qat.get("error") else "") + ")")
+    else:
+        cands = [r for r in llama if r["bits_per_weight"] is not None and r["bits_per_weight"] <= GOAL_MAX_BITS]
+        fails = []
+        for r in cands:
+            why = [w for w, bad in (("perplexity", qat["perplexity"] >= r["perplexity"]), ("KL", qat["kl"] >= r["kl"]),
+                                    ("size", qat["file_bytes"] > GOAL_SIZE_FRACTION * r["file_bytes"])) if bad]
+            if why:
+                fails.append(f"{r['format']} ({', '.join(why)})")
+        verdict = "met" if cands and not fails else "NOT met"
+        out.append(f"- S3D8 + QAT ({qat['bits_per_weight']:.2f} bits/weight, {qat['file_bytes'] / 1e6:.1f} MB, "
+                   f"perplexity {qat['perplexity']:.3f}, KL {qat['kl']:.4f}) vs the {len(cands)} llama.cpp files at "
+                   f"<= {GOAL_MAX_BITS} bits/weight: lower perplexity and KL at half their size or less: **{verdict}**"
+                   + (f"; not beaten on: {', '.join(fails)}" if fails else ""))
+        ratio = qat["perplexity"] / teacher_ppl
+        out.append(f"- S3D8 + QAT perplexity {qat['perplexity']:.3f} vs the teacher's {teacher_ppl:.3f} "
+                   f"({ratio - 1:+.1%}; goal within {GOAL_PPL_FACTOR - 1:.0%}): "
+                   f"**{'met' if ratio <= GOAL_PPL_FACTOR else 'NOT met'}**")
+    direct = _find(models, "s3d8", ("direct-cast", "direct", "direct-cast-absmax"))
+    q2 = [r for r in llama if generate.llama_cpp_type(r["format"])[0] == "Q2_K"]
+    if not _ok(direct) or not q2:
+        out.append("- S3D8 direct cast vs Q2_K: **not measured** ("
+                   + ("no packed S3D8 direct-cast model of this teacher" if not _ok(direct) else "no Q2_K file") + ")")
+    else:
+        for r in q2:
+            met = direct["perplexity"] < r["perplexity"] and direct["kl"] < r["kl"]
+            out.append(f"- S3D8 direct cast (perplexity {direct['perplexity']:.3f}, KL {direct['kl']:.4f}, "
+                       f"{direct['bits_per_weight']:.2f} bits) vs llama.cpp {r['format']} (perplexity "
+                       f"{r['perplexity']:.3f}, KL {r['kl']:.4f}, {r['bits_per_weight']:.2f} bits): better on both: "
+                       f"**{'met' if met else 'NOT met'}**")
+    for t in sorted({r["threads"] for r in data["rows"]}):
+        ours = [r for r in data["rows"] if r["impl"] == "ours" and r["format"] == "s3d8" and r["threads"] == t
+                and r.get("decode_tokens_per_s")]
+        theirs = [r for r in data["rows"] if r["impl"] == "llama.cpp" and r["threads"] == t
+                  and r.get("decode_tokens_per_s")]
+        if ours and theirs:
+            slow, best = min(ours, key=lambda r: r["decode_tokens_per_s"]), max(theirs, key=lambda r: r["decode_tokens_per_s"])
+            ratio = slow["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+            perf = best.get("llama_cpp_perf") or {}
+            out.append(f"- Decode, {t} thread(s): S3D8 (slower of its rows, {slow['name']}) {slow['decode_tokens_per_s']:.1f} "
+                       f"tokens/s vs llama.cpp's fastest file, {best['format']}, {best['decode_tokens_per_s']:.1f} "
+                       f"(its own counters: {_num(perf.get('decode_tokens_per_s'), '.1f')}): {ratio:.2f}x (goal >= "
+                       f"{GOAL_SPEED}x: **{'met' if ratio >= GOAL_SPEED else 'NOT met'}**)")
+    missing = [f"{r['name']} ({r['threads']} thread(s))" for r in data["rows"]
+               if r.get("decode_tokens_per_s") is None or r.get("prefill_tokens_per_s") is None]
+    out.append(f"- Speed: every row has its decode and prefill tokens/s: **{'met' if not missing else 'NOT met'}**"
+               + (f" (missing: {', '.join(missing)})" if missing else ""))
+    return out
+
+
+def _num(v, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def write_report(data: dict, out_dir: str | Path) -> None:
+    """``real_model.json`` (``data``), ``real_model.md`` (the table, the census, refusals and the goals) and
+    ``real_model.png`` (KL and perplexity against bits per weight) in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "real_model.json", data)
+    t, m, corpus = data["teacher"], data["machine"], data["teacher"]["corpus"]
+    partial = "" if data.get("complete", True) else (
+        f" (partial: {len(_models(data['rows']))} of {data.get('models_planned', '?')} models measured so far)")
+    md = [f"# A real teacher side by side with llama.cpp{partial}", "",
+          f"Teacher: {t['name']} ({t['parameters'] / 1e6:.1f} M parameters, bf16, `{t['dir']}`; imported from "
+          f"`{Path(t['source_gguf']).name}`), perplexity {t['perplexity']:.3f}. KL (teacher || model, per token) and "
+          f"top-1 agreement over {t['kl_tokens']} response tokens of {t['heldout_answers']} held-out teacher answers "
+          f"(`{t['teacher_data']}`); perplexity over {corpus['predicted_tokens']} predicted tokens of the held-out "
+          f"corpus {corpus['name']} (Python {corpus['python']}, {corpus['windows']} windows of <= "
+          f"{corpus['window']} tokens).", "",
+          f"Machine: {m['cpu']} ({', '.join(m['flags']) or 'no listed SIMD flags'}), {m['usable_cpus']} usable CPUs; "
+          f"load average {data.get('load_average_before')} before, {data.get('load_average')} at the end. Speed: "
+          f"{data['prompt_tokens']}-token prompt, {data['new_tokens']} new tokens, greedy, each row a fresh process; "
+          "timings on a shared machine, compare within this run.", "",
+          f"Bits per weight: {data['bits_per_weight_counts']}.", "",
+          "| model | impl | bits/weight | MB | KL | top-1 | perplexity | threads | prefill tok/s | decode tok/s | "
+          "llama.cpp counters prefill / decode tok/s |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["rows"]:
+        perf = r.get("llama_cpp_perf") or {}
+        counters = (f"{_num(perf.get('prefill_tokens_per_s'), '.1f')} / {_num(perf.get('decode_tokens_per_s'), '.2f')}"
+                    if perf else "")
+        md.append(f"| {r['name']} | {r['impl']} | {_num(r['bits_per_weight'], '.2f')} | "
+                  f"{r['file_bytes'] / 1e6:.1f} | {_num(r['kl'], '.4f')} | {_num(r['top1_agreement'], '.3f')} | "
+                  f"{_num(r['perplexity'], '.3f')} | {r['threads']} | {_num(r['prefill_tokens_per_s'], '.1f')} | "
+                  f"{_num(r['decode_tokens_per_s'], '.2f')} | {counters} |"
+                  + (f" error: {r['error']}" if r.get("error") else ""))
+    md += ["", "## Goals", "", *goals(data), "", "## What each llama.cpp file holds", "",
+           "| file | tensor types (count) | token_embd | bits/weight |", "| --- | --- | --- | --- |"]
+    for name, c in data.get("census", {}).items():
+        if "types" not in c:
+            continue
+        types = ", ".join(f"{k} {v['count']}" for k, v in c["types"].items())
+        embd = ", ".join(c["roles"].get("token_embd", {}))
+        md.append(f"| {name} | {types} | {embd} | {_num(c['bits_per_weight'], '.3f')} |")
+    if data.get("refusals"):
+        md += ["", "## Types llama.cpp refused", ""]
+        md += [f"- {r['type']}: {r['message']}" for r in data["refusals"]]
+    off = {r["name"]: r.get("llama_cpp_extra_bufts_note", "") for r in data["rows"]
+           if r.get("llama_cpp_extra_bufts") is False}
+    notes = list(data.get("notes", []))
+    if off:
+        notes.append(f"llama.cpp's extra weight buffer types (AMX, CPU repack) were turned off for {len(off)} file(s) "
+                     f"({', '.join(off)}): {next(iter(off.values()))}")
+    if notes:
+        md += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    write_text(out_dir / "real_model.md", "\n".join(md) + "\n")
+    plot(data, out_dir / "real_model.png")
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [r for r in _models(data["rows"]) if _ok(r) and r["bits_per_weight"] is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, key, label in ((axes[0], "kl", "KL to the teacher (nats/token)"), (axes[1], "perplexity", "perplexity")):
+        for impl, color, marker in (("llama.cpp", "tab:blue", "o"), ("ours", "tab:red", "s")):
+            pts = [r for r in models if r["impl"] == impl and r[key] > 0]
+            ax.scatter([r["bits_per_weight"] for r in pts], [r[key] for r in pts], c=color, marker=marker, label=impl)
+            for r in pts:
+                ax.annotate(r["format"] if impl == "llama.cpp" else f"{r['format']} {r['method']}",
+                            (r["bits_per_weight"], r[key]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        if key == "perplexity":
+            ax.axhline(data["teacher"]["perplexity"], color="gray", ls="--", lw=1, label="teacher (bf16)")
+            ax.axhline(GOAL_PPL_FACTOR * data["teacher"]["perplexity"], color="gray", ls=":", lw=1,
+                       label=f"teacher x {GOAL_PPL_FACTOR}")
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per weight (2-D weight tensors)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{data['teacher']['name']}: quality vs size, ours and llama.cpp")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)

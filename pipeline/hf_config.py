@@ -1,0 +1,55 @@
+"""The names of a packed Hugging Face directory: the guard ``model_type`` that makes plain transformers refuse it
+loudly, the install hint, the weight-file names, the saved ``quantization_config``. The lowest floor of the
+Hugging Face integration, below the writer (:mod:`pipeline.hf_write`) and the quantizer (:mod:`pipeline.hf`);
+it imports no transformers, so that importing it never runs the registration (``pipeline/__init__.py``) halfway."""
+
+from __future__ import annotations
+
+from pipeline import formats
+
+GUARD_PREFIX = "s3d8-pipeline-"
+BASE_MODEL_TYPES = ("mllama", "llama")
+"""Base ``model_type``s a packed directory may have (each gets a registered guard type)."""
+BASE_MODEL_TYPE = "mllama"
+MODEL_TYPE = GUARD_PREFIX + BASE_MODEL_TYPE
+"""``model_type`` of a packed Mllama directory's ``config.json``: unknown to plain transformers (a loud error
+that names the package), read as ``mllama`` once ``pipeline`` is imported."""
+HINT_KEY = "s3d8_pipeline"
+INSTALL = "pip install <path to an s3d8-pipeline checkout or its wheel>"
+HINT = (f"Packed weights: loading needs the s3d8-pipeline package ({INSTALL}; it is not on PyPI) and "
+        f"`import pipeline` before from_pretrained. See README.md.")
+"""``config.json``'s :data:`HINT_KEY`: what a user who opens the file after transformers refused it reads."""
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+MAX_SHARD_SIZE = 5 * 10**9
+"""Bytes above which the packed weights are sharded (Llama 3.2 11B Vision in S3D8, about 3.6 GB, stays one
+file, the reference's layout). Not a parameter in ``params.yaml``: it changes the layout, not a result."""
+
+
+def guard_model_type(base: str) -> str:
+    """The ``model_type`` a packed directory of a ``base`` model carries (``s3d8-pipeline-mllama``)."""
+    return GUARD_PREFIX + base
+
+
+def quant_method(fmt: str) -> str:
+    """``quant_method`` of a format: ``s3d8`` for S3D8, ``s3d8-pipeline-<name>`` for the other packed formats."""
+    return "s3d8" if fmt == "s3d8" else f"s3d8-pipeline-{fmt}"
+
+
+def packable(name, what: str = "quantization_config.format"):
+    """The packable format named ``name``; a ValueError naming ``what`` otherwise."""
+    known = {f.name: f for f in formats.packable()}
+    if name not in known:
+        raise ValueError(f"{what} is {name!r}, not one of {sorted(known)}")
+    return known[name]
+
+
+def saved_config(fmt: str, layout: str, version: str, bits_per_weight: float | None = None,
+                 modules_to_not_convert: list[str] | None = None) -> dict:
+    """``quantization_config`` as ``config.json`` stores it: the file's description, never loading options."""
+    saved = {"quant_method": quant_method(fmt), "format": fmt, "layout": layout, "version": version}
+    if bits_per_weight is not None:
+        saved["bits_per_weight"] = bits_per_weight
+    if modules_to_not_convert is not None:
+        saved["modules_to_not_convert"] = list(modules_to_not_convert)
+    return saved
