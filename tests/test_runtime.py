@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline import formats, runtime
+from pipeline import formats, runtime, runtime_models
 from pipeline.checkpoint import CheckpointReader
 from pipeline.formats import s3d8 as s3d8_format
 from pipeline.synthetic import write_gguf, write_synthetic
@@ -43,7 +43,7 @@ def test_synthetic_files_hold_the_same_weights(synth):
 
 @pytest.mark.parametrize("fmt", ["s3d8", "int8", "bf16"])
 def test_lean_llama_equals_hf_llama_on_the_same_kernels(synth, fmt):
-    lean, hf = runtime.LeanLlama(synth[fmt], 64), runtime.hf_llama(synth[fmt])
+    lean, hf = runtime_models.LeanLlama(synth[fmt], 64), runtime_models.hf_llama(synth[fmt])
     ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = lean.forward(ids[0], 0), hf(input_ids=ids).logits[0, -1]
@@ -65,7 +65,7 @@ def test_c_decode_step_gives_the_torch_paths_tokens_and_cache(synth, fmt):
     attention sums are summed in another order than torch's; the products, RoPE and residuals are the same
     arithmetic)."""
     ids = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(2))
-    a, b = runtime.LeanLlama(synth[fmt], 40), runtime.LeanLlama(synth[fmt], 40)
+    a, b = runtime_models.LeanLlama(synth[fmt], 40), runtime_models.LeanLlama(synth[fmt], 40)
     la, lb = a.forward(ids, 0), b.forward(ids, 0)
     for pos in range(6, 40):
         ta, tb = int(la.argmax()), int(lb.argmax())
@@ -87,8 +87,8 @@ def test_s3d8_lean_llama_equals_the_torch_fake_quant_reference(synth):
     activations (the QAT forward): the same greedy tokens."""
     from pipeline.packed_modules import PackedLinear
 
-    lean = runtime.LeanLlama(synth["s3d8"], 64)
-    ref = runtime.hf_llama(synth["s3d8"])
+    lean = runtime_models.LeanLlama(synth["s3d8"], 64)
+    ref = runtime_models.hf_llama(synth["s3d8"])
     for name, module in list(ref.named_modules()):
         if type(module).__name__ == "S3D8Linear":
             w = s3d8_format.decode(module.packed, module.scale, module.table, module.shape)
@@ -104,7 +104,7 @@ def test_row_embedding_decodes_only_what_it_needs_and_equals_decode():
     w = torch.randn(301, 40, generator=gen)
     table = s3d8_format.fit_centroids(w, seed=0, max_vectors=4096)
     packed, scale = s3d8_format.encode(w, table)
-    emb = runtime.S3D8RowEmbedding(packed, scale, table, (301, 40))
+    emb = runtime_models.S3D8RowEmbedding(packed, scale, table, (301, 40))
     full = s3d8_format.decode(packed, scale, table, (301, 40))
     ids = torch.tensor([[300, 0, 5, 5, 299], [1, 2, 3, 150, 151]])
     assert torch.equal(emb(ids), full[ids])
@@ -131,7 +131,7 @@ def test_packed_mllama_runs_native_and_gives_the_torch_paths_tokens(packed_toy):
     from pipeline import native
     from pipeline.packed import load_packed_model
 
-    model = runtime.hf_mllama(packed_toy)
+    model = runtime_models.hf_mllama(packed_toy)
     kinds = {type(m).__name__ for m in model.modules()}
     assert "S3D8Linear" in kinds and "S3D8RowEmbedding" in kinds
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules()), "every Linear native"
@@ -156,7 +156,7 @@ def test_c_decode_step_of_mllama_equals_hf_steps(packed_toy, image):
     """Mllama's language model in the C decoder: logits of each decode token equal the HF model's own step on its
     cache, with the cross-attention layers live (gates made non-zero, the image's K/V from the prompt) or skipped
     (a text-only prompt, as HF skips them)."""
-    model = runtime.hf_mllama(packed_toy)
+    model = runtime_models.hf_mllama(packed_toy)
     with torch.no_grad():
         for i, layer in enumerate(model.model.language_model.layers):
             if hasattr(layer, "cross_attn"):
@@ -169,7 +169,7 @@ def test_c_decode_step_of_mllama_equals_hf_steps(packed_toy, image):
     n = inputs["input_ids"].shape[1]
     with torch.inference_mode():
         out = model(**inputs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)
-        native = runtime.mllama_step(model, out.cache, n + 8, cam)
+        native = runtime_models.mllama_step(model, out.cache, n + 8, cam)
         cross = sum(hasattr(layer, "cross_attn") for layer in model.model.language_model.layers)
         assert cross and sum(L.skip for L in native._layers[0:native.d.n_layers]) == (0 if image else cross)
         tok = int(out.logits[0, -1].argmax())
@@ -196,8 +196,8 @@ def test_cli_generates_and_reports_tokens_per_s(synth):
 def test_cli_prints_hf_generate_tokens_on_the_synthetic_llama(synth, capsys):
     """The printed tokens are those of Hugging Face generate on the same file and prompt, the stop token not
     printed."""
-    model = runtime.hf_llama(synth["s3d8"])
-    eos = {t for t in runtime.LeanLlama(synth["s3d8"], 16).eos if t is not None}
+    model = runtime_models.hf_llama(synth["s3d8"])
+    eos = {t for t in runtime_models.LeanLlama(synth["s3d8"], 16).eos if t is not None}
     ids = torch.tensor([[1] + [3 + b for b in b"hello"]])
     with torch.inference_mode():
         ref = model.generate(input_ids=ids, do_sample=False, max_new_tokens=8, eos_token_id=sorted(eos),
@@ -279,7 +279,7 @@ def test_rotary_tables_equal_hugging_face_bit_for_bit(rope):
 
     cfg = {"hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "max_position_embeddings": 131072, **rope}
     hf = LlamaRotaryEmbedding(LlamaConfig(**cfg))
-    inv_freq, scaling = runtime._rotary(cfg)
+    inv_freq, scaling = runtime_models._rotary(cfg)
     assert torch.equal(inv_freq, hf.inv_freq.float()) and scaling == float(hf.attention_scaling)
-    with pytest.raises(runtime.RuntimeInputError, match="RoPE type 'yarn'"):
-        runtime._rotary({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})
+    with pytest.raises(runtime_models.RuntimeInputError, match="RoPE type 'yarn'"):
+        runtime_models._rotary({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})

@@ -135,14 +135,14 @@ def _prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 
 def _child_native(spec: dict) -> dict:
-    from pipeline import runtime
+    from pipeline import runtime, runtime_models
 
     torch.set_num_threads(spec["threads"])
     path = Path(spec["path"])
     t0 = time.perf_counter()
     model = runtime.load(path, spec["impl"], max_len=spec["prompt_tokens"] + spec["new_tokens"] + 8)
     load_s = time.perf_counter() - t0
-    if isinstance(model, runtime.LeanLlama):
+    if isinstance(model, runtime_models.LeanLlama):
         vocab = model.config["vocab_size"]
     else:
         cfg = model.config
@@ -155,7 +155,7 @@ def _child_native(spec: dict) -> dict:
     res = run(model, {"input_ids": _prompt(spec["prompt_tokens"], vocab)}, spec["new_tokens"])
     overhead = (overhead_ms_per_token(model, _prompt(spec["prompt_tokens"], vocab), spec["new_tokens"])
                 if spec["impl"] == "lean" else None)
-    cfg = model.config if isinstance(model, runtime.LeanLlama) else None
+    cfg = model.config if isinstance(model, runtime_models.LeanLlama) else None
     kv = 0
     if cfg is not None:
         kv = model.kv_cache_bytes
@@ -171,15 +171,15 @@ def _child_native(spec: dict) -> dict:
 def overhead_ms_per_token(model, prompt: torch.Tensor, new_tokens: int) -> float:
     """Mean milliseconds of a decode token of the lean runtime's C step with every weight product stubbed out
     (``stub_products``): what a token costs beyond its products, at the positions the timed run decoded."""
-    from pipeline import runtime
+    from pipeline import runtime_models
 
     n = prompt.shape[-1]
-    if isinstance(model, runtime.LeanLlama):
+    if isinstance(model, runtime_models.LeanLlama):
         step = model.native_step(stub_products=True)
     else:
         with torch.inference_mode():
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-        step = runtime.mllama_step(model, out.cache, n + new_tokens, stub_products=True)
+        step = runtime_models.mllama_step(model, out.cache, n + new_tokens, stub_products=True)
     t0 = time.perf_counter()
     for i in range(new_tokens):
         step.step(3 + i, n + i)

@@ -171,10 +171,10 @@ def child(spec: dict) -> dict:
         raise ValueError(f"child task {spec['task']!r}: expected quantize, probe, quality or speed")
     if spec["impl"] == "llama.cpp":
         return {**_llama_cpp_speed(spec), "runtime": "llama.cpp"}
-    from pipeline import runtime
+    from pipeline import runtime_models
     try:
-        runtime.model_kind(spec["path"])
-    except runtime.RuntimeInputError:
+        runtime_models.model_kind(spec["path"])
+    except runtime_models.RuntimeInputError:
         return {**_torch_speed(spec), "runtime": "torch"}
     return {**generate.child({**spec, "impl": "lean"}), "runtime": "lean"}
 
@@ -209,7 +209,7 @@ def _quality(spec: dict) -> dict:
 def packed_models(root: str | Path, teacher_config) -> tuple[list[dict], list[str]]:
     """Our packed files under ``root`` (``<format>/<method>/model.safetensors``) that come from a text-only Llama
     with the teacher's widths; the others are named in the notes."""
-    from pipeline.runtime import RuntimeInputError, read_header
+    from pipeline.runtime_models import RuntimeInputError, read_header
 
     found, notes = [], []
     for path in sorted(Path(root).glob("*/*/model.safetensors")):

@@ -1,0 +1,345 @@
+"""The models :mod:`pipeline.runtime` generates with, over a packed file's tensors on the native kernels: the lean
+Llama decoder (:class:`LeanLlama`), Hugging Face's Llama and the packed S3D8 Mllama with the same native modules
+(:func:`hf_llama`, :func:`hf_mllama`), the row-decoding embeddings, and the files they read."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline import decode_step, safetensors_io
+from pipeline.layout import GROUP
+from pipeline.safetensors_io import TORCH_DTYPES
+
+
+class RuntimeInputError(ValueError):
+    """Bad input to the runtime (model file, prompt, threads): the CLI prints it as one line."""
+
+
+# --- files -------------------------------------------------------------------------------------------------
+
+def read_header(path: str | Path) -> tuple[dict, dict[str, str], int]:
+    """``(tensor entries, metadata, data offset)`` of a safetensors file; RuntimeInputError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise RuntimeInputError(f"{path}: no such file")
+    try:
+        return safetensors_io.read_header(path)
+    except (OSError, ValueError) as e:
+        raise RuntimeInputError(f"{e} (a packed model is a safetensors file)" if "truncated" not in str(e)
+                                else str(e)) from None
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Every tensor read into private memory with plain reads (no mmap: resident memory is the file once)."""
+    header, meta, base = read_header(path)
+    out = {}
+    with open(path, "rb", buffering=0) as f:
+        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype = TORCH_DTYPES[e["dtype"]]
+            t = torch.empty(e["shape"], dtype=dtype)
+            a, b = e["data_offsets"]
+            f.seek(base + a)
+            view = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+            got = f.readinto(view) if t.numel() else 0
+            if got != b - a:
+                raise RuntimeInputError(f"{path}: tensor {name!r} is truncated")
+            out[name] = t
+    return meta, out
+
+
+def model_kind(path: str | Path) -> tuple[str, str]:
+    """``("mllama" | "llama", format)`` of a packed file this runtime runs; RuntimeInputError otherwise."""
+    _, meta, _ = read_header(path)
+    fmt = meta.get("format")
+    try:
+        cfg = json.loads(meta.get("config", "null"))
+    except ValueError:
+        cfg = None
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type == "llama" and fmt in ("s3d8", "int8", "bf16"):
+        return "llama", fmt
+    if fmt == "s3d8" and model_type == "mllama":
+        return "mllama", fmt
+    raise RuntimeInputError(
+        f"{path}: not a packed S3D8 model this runtime runs (metadata format={str(fmt)[:40]!r}, "
+        f"model_type={str(model_type)[:40]!r}); it runs packed S3D8 Mllama files and the synthetic Llama "
+        f"files (s3d8/int8/bf16); other packed formats run on torch: "
+        f"pipeline.packed.load_packed_model(path, kernel='torch')")
+
+
+# --- native layers -------------------------------------------------------------------------------------------
+
+class S3D8RowEmbedding(nn.Module):
+    """An S3D8 embedding that decodes only the looked-up rows from the packed bytes: the 3-row groups of
+    the unique ids are gathered and decoded by the native kernel as one small weight, then scaled.
+    Equal bit for bit to the rows of ``pipeline.formats.s3d8.decode`` (int8 value x bf16 scale in float32)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, shape,
+                 padding_idx: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = shape
+        cols = -(-self.embedding_dim // 16) * 16
+        self.register_buffer("packed", packed.reshape(-1, cols))
+        self.register_buffer("scale", scale.reshape(-1))
+        self.register_buffer("table", table)
+        self.padding_idx, self.dtype = padding_idx, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from pipeline import native
+        n, d = self.num_embeddings, self.embedding_dim
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], {n} embeddings")
+        flat = ids.reshape(-1)
+        groups, inverse = torch.unique(flat // GROUP, return_inverse=True)
+        decoded = native.s3d8_decode_int8(self.packed[groups].contiguous(), self.table, (GROUP * groups.numel(), d))
+        rows = decoded[inverse * GROUP + flat % GROUP].float() * self.scale[flat].float()[:, None]
+        return rows.to(self.dtype).reshape(*ids.shape, d)
+
+
+class Int8RowEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.reshape(-1))
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    def forward(self, ids):
+        flat = ids.reshape(-1)
+        rows = self.weight[flat].float() * self.scale[flat].float()[:, None]
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+class Bf16RowEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    def forward(self, ids):
+        return self.weight[ids].to(self.dtype)
+
+
+def _llama_modules(meta: dict, tensors: dict[str, torch.Tensor]):
+    """``(config dict, format, linear(name) -> module, embedding module)`` of a synthetic Llama file."""
+    from pipeline import native
+
+    cfg, fmt = json.loads(meta["config"]), meta["format"]
+    shapes = {k: tuple(v) for k, v in json.loads(meta["shapes"]).items()}
+
+    def linear(name: str) -> nn.Module:
+        if fmt == "s3d8":
+            return native.S3D8Linear(tensors[f"{name}.packed"], tensors[f"{name}.scale"], tensors[f"{name}.table"],
+                                     shapes[name])
+        if fmt == "int8":
+            return native.Int8Linear(tensors[f"{name}.int8"], tensors[f"{name}.scale"])
+        return native.Bf16Linear(tensors[name])
+
+    e = "model.embed_tokens.weight"
+    if fmt == "s3d8":
+        embed = S3D8RowEmbedding(tensors[f"{e}.packed"], tensors[f"{e}.scale"], tensors[f"{e}.table"], shapes[e])
+    elif fmt == "int8":
+        embed = Int8RowEmbedding(tensors[f"{e}.int8"], tensors[f"{e}.scale"])
+    else:
+        embed = Bf16RowEmbedding(tensors[e])
+    return cfg, fmt, linear, embed
+
+
+def _rotary(cfg: dict):
+    """``(inv_freq, attention_scaling)`` exactly as Hugging Face's Llama computes them (``default`` and ``llama3``
+    RoPE; tested bit for bit), without importing its modelling code (~115 MB of resident memory)."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if not rope:              # the older layout: rope_theta at the top, rope_scaling beside it
+        rope = {"rope_theta": cfg.get("rope_theta", 10000.0), **(cfg.get("rope_scaling") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind != "llama3":
+        raise RuntimeInputError(f"config: RoPE type {kind!r} is not supported by the lean runtime (default, llama3)")
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+# --- the lean Llama decoder ------------------------------------------------------------------------------------
+
+class LeanLlama:
+    """A Llama decoder over packed tensors: native Linear kernels (S3D8, INT8 or bf16 by file), row
+    embeddings, a preallocated float32 KV cache, logits of the last position only, a decode token in one C call
+    (``self.native``). Batch 1."""
+
+    kind = "llama"
+
+    def __init__(self, path: str | Path, max_len: int | None = None) -> None:
+        meta, tensors = read_tensors(path)
+        cfg, self.format, linear, self.embed = _llama_modules(meta, tensors)
+        self.config = cfg
+        self.n_layers, self.nh, self.nkv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.hd = cfg.get("head_dim") or cfg["hidden_size"] // self.nh
+        self.eps = cfg["rms_norm_eps"]
+        self.context = cfg["max_position_embeddings"]
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}"
+            self.layers.append({
+                "ln1": tensors[f"{p}.input_layernorm.weight"].float(),
+                "ln2": tensors[f"{p}.post_attention_layernorm.weight"].float(),
+                **{k: linear(f"{p}.{m}.weight") for k, m in
+                   (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                    ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                    ("down", "mlp.down_proj"))}})
+        self.norm = tensors["model.norm.weight"].float()
+        self.lm_head = linear("lm_head.weight" if "lm_head.weight" in json.loads(meta["shapes"])
+                              else "model.embed_tokens.weight")
+        self.inv_freq, self.rope_scaling = _rotary(cfg)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.eos = set(cfg["eos_token_id"] if isinstance(cfg.get("eos_token_id"), list) else [cfg.get("eos_token_id")])
+        self.allocate(max_len or 256)
+
+    def allocate(self, max_len: int) -> None:
+        """(Re)allocate the KV cache, the RoPE tables and the C decoder for ``max_len`` positions."""
+        self.max_len = max_len
+        self.k_cache = torch.zeros(self.n_layers, 1, self.nkv, max_len, self.hd)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.cos, self.sin_rolled = decode_step.rope_tables(self.inv_freq, self.rope_scaling, max_len)
+        self.native = self.native_step()
+
+    def native_step(self, stub_products: bool = False) -> decode_step.DecodeStep:
+        """The C decoder over this model's weights and caches (``stub_products``: see :mod:`pipeline.decode_step`)."""
+        layers = [{**{k: L[k] for k in ("ln1", "ln2", "q", "k", "v", "o", "gate", "up", "down")},
+                   "k_cache": self.k_cache[i, 0], "v_cache": self.v_cache[i, 0]} for i, L in enumerate(self.layers)]
+        return decode_step.DecodeStep(hidden=self.config["hidden_size"], n_heads=self.nh, n_kv_heads=self.nkv,
+                                      head_dim=self.hd, eps=self.eps, layers=layers, embed=self.embed,
+                                      lm_head=self.lm_head, norm=self.norm, cos=self.cos, sin_rolled=self.sin_rolled,
+                                      stub_products=stub_products)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * 4
+
+    def _rms(self, x, w):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + self.eps))
+
+    def _rope(self, x, cos, sin_rolled):      # x [..., hd]
+        """HF's ``x * cos + rotate_half(x) * sin`` as ``x * cos + roll(x, hd / 2) * sin_rolled``, ``sin`` with its
+        first half negated: exact (the negation moves from x to sin), one roll instead of slices, a negation and a
+        cat."""
+        return x * cos + x.roll(self.hd // 2, -1) * sin_rolled
+
+    def _attend_one(self, q: torch.Tensor, i: int, end: int) -> torch.Tensor:
+        """Attention of a single decode token (``q`` [kv heads, q heads per kv head, hd]) over layer ``i``'s cache
+        up to ``end``: two small batched products, some 2x faster than SDPA's kernel here."""
+        kc, vc = self.k_cache[i, 0].narrow(1, 0, end), self.v_cache[i, 0].narrow(1, 0, end)
+        s = torch.bmm(q, kc.transpose(1, 2)) * self.hd ** -0.5
+        return torch.bmm(torch.softmax(s, -1), vc).view(1, self.nh * self.hd)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos: int, *, step: bool = True) -> torch.Tensor:
+        """Logits (float32 ``[vocab]``) of the last of ``ids`` (1-D), placed at positions ``pos ...``. A single
+        token takes the C step (``step=False``: the torch path, the same tokens, tested); its logits are a buffer
+        the next step overwrites."""
+        t = ids.numel()
+        if pos + t > self.max_len:
+            raise RuntimeInputError(f"{pos + t} positions exceed the KV cache of {self.max_len}")
+        if t == 1 and step:
+            return self._step(ids.reshape(1), pos)
+        x = self.embed(ids.reshape(-1)).float()                         # [T, h]
+        cos, sin = self.cos[pos:pos + t], self.sin_rolled[pos:pos + t]
+        end = pos + t
+        mask = None
+        if t > 1 and pos > 0:
+            mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=pos)
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            q = L["q"](h).view(t, self.nh, self.hd).transpose(0, 1)[None]
+            k = L["k"](h).view(t, self.nkv, self.hd).transpose(0, 1)[None]
+            v = L["v"](h).view(t, self.nkv, self.hd).transpose(0, 1)[None]
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            self.k_cache[i, :, :, pos:end] = k
+            self.v_cache[i, :, :, pos:end] = v
+            if t == 1:
+                a = self._attend_one(q.view(self.nkv, self.nh // self.nkv, self.hd), i, end)
+            else:
+                a = F.scaled_dot_product_attention(q, self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end],
+                                                   attn_mask=mask, is_causal=pos == 0, enable_gqa=True)
+                a = a[0].transpose(0, 1).reshape(t, self.nh * self.hd)
+            x = x + L["o"](a)
+            h = self._rms(x, L["ln2"])
+            x = x + L["down"](F.silu(L["gate"](h)) * L["up"](h))
+        return self.lm_head(self._rms(x[-1:], self.norm))[0]
+
+    def _step(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        """One decode token in one C call (:mod:`pipeline.decode_step`) over the same weights and caches."""
+        return self.native.step(int(ids), pos)
+
+def hf_llama(path: str | Path):
+    """Hugging Face ``LlamaForCausalLM`` over a synthetic packed file, the same native modules swapped in."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    meta, tensors = read_tensors(path)
+    cfg, fmt, linear, embed = _llama_modules(meta, tensors)
+    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.embed_tokens = embed
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(layer.self_attn, m, linear(f"{p}.self_attn.{m}.weight"))
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            setattr(layer.mlp, m, linear(f"{p}.mlp.{m}.weight"))
+        layer.input_layernorm.weight = nn.Parameter(tensors[f"{p}.input_layernorm.weight"].float(), requires_grad=False)
+        layer.post_attention_layernorm.weight = nn.Parameter(tensors[f"{p}.post_attention_layernorm.weight"].float(),
+                                                             requires_grad=False)
+    model.model.norm.weight = nn.Parameter(tensors["model.norm.weight"].float(), requires_grad=False)
+    model.lm_head = linear("lm_head.weight" if "lm_head.weight" in tensors or "lm_head.weight.packed" in tensors
+                           or "lm_head.weight.int8" in tensors else "model.embed_tokens.weight")
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)
+    model.config.tie_word_embeddings = False      # the head is its own module over the same packed bytes
+    model.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    model.eval()
+    return model
+
+
+def hf_mllama(path: str | Path):
+    """The packed S3D8 Mllama on the native kernels, embeddings decoding only the looked-up rows."""
+    from pipeline.packed import load_packed_model
+    from pipeline.packed_modules import LazyPackedEmbedding
+
+    model = load_packed_model(path, kernel="native", decode="lazy")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LazyPackedEmbedding):
+            t = module.packed_tensors
+            new = S3D8RowEmbedding(t["packed"], t["scale"], t["table"], module.shape, module.padding_idx,
+                                   module.weight_dtype)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    model.weight_bytes = Path(path).stat().st_size
+    return model
+
+
+def mllama_step(model, cache, positions: int, cross_attention_mask=None,
+                stub_products: bool = False) -> decode_step.DecodeStep:
+    """The C decoder of a packed Mllama (:func:`hf_mllama`) after its prompt filled ``cache``."""
+    cfg = model.model.language_model.config
+    inv_freq, scaling = _rotary(cfg.to_dict())
+    cos, sin_rolled = decode_step.rope_tables(inv_freq, scaling, positions)
+    return decode_step.mllama(model, cache, positions, cos, sin_rolled, cross_attention_mask, stub_products)
