@@ -344,6 +344,7 @@ def ensure_dvclive() -> str:
 
 def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cast_dir: str | None) -> dict:
     import pipeline.qat.train as qt
+    from pipeline.qat.engines import FSDP2Engine
     import pipeline.toy  # noqa: F401  (the toy image pool)
     import skeleton_11b as S
     from pipeline import formats
@@ -363,7 +364,7 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     processor = load_processor(str(d["model"]))
     prompt_len = len(S._examples(processor, d["model"], 1, 1)[0].prompt_ids)
     examples = S._examples(processor, d["model"], max(batch * steps, batch), seq - prompt_len - 1)
-    engine = qt._FSDP2
+    engine = FSDP2Engine
     orig = {k: getattr(engine, k) for k in ("teacher", "student", "save_student")}
 
     def teacher_hook(self, *args):

@@ -495,6 +495,7 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
     import shutil
 
     import pipeline.qat.train as qt
+    from pipeline.qat.engines import FSDP2Engine
     import pipeline.toy  # noqa: F401  (the toy image pool)
     from pipeline import formats
     from pipeline.launch import LaunchParams
@@ -511,8 +512,8 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
     world = int(os.environ.get("WORLD_SIZE", "1"))
     examples = _examples(processor, d["model"], 4 * world, seq // 2)
     phases = Phases()
-    # Phase boundaries through the engine's own calls (wrapping, not changing, pipeline.qat.train._FSDP2).
-    engine = qt._FSDP2
+    # Phase boundaries through the engine's own calls (wrapping, not changing, pipeline.qat.engines.FSDP2Engine).
+    engine = FSDP2Engine
     orig = {k: getattr(engine, k) for k in ("student", "save_student")}
     state = {"cm": None}
 

@@ -136,6 +136,18 @@ def _packed_parts(module: nn.Module, fmt) -> dict[str, torch.Tensor] | None:
     return None
 
 
+def _check_save_options(kwargs: dict) -> None:
+    unknown = sorted(set(kwargs) - set(_SAVE_OPTIONS))
+    if unknown:
+        raise ValueError(f"save_pretrained of a packed model: option(s) {unknown} are not supported (it writes the "
+                         f"packed tensors the model holds; supported: {list(_SAVE_OPTIONS)})")
+    if kwargs.get("push_to_hub"):
+        raise ValueError("save_pretrained of a packed model: push_to_hub=True is not supported; save to a "
+                         "directory, then upload it (huggingface_hub.upload_folder)")
+    if kwargs.get("safe_serialization") is False:
+        raise ValueError("save_pretrained of a packed model: packed weights are written as safetensors only")
+
+
 def save_packed(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> None:
     """``model.save_pretrained(dir)`` of a model ``from_pretrained`` loaded from a packed directory: the
     same packed tensors under the same names, metadata and layout (byte for byte the file it was loaded from,
@@ -146,15 +158,7 @@ def save_packed(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -
     ``is_main_process`` as in transformers; the processor is saved by ``processor.save_pretrained``."""
     from transformers.utils.hub import convert_file_size_to_int
 
-    unknown = sorted(set(kwargs) - set(_SAVE_OPTIONS))
-    if unknown:
-        raise ValueError(f"save_pretrained of a packed model: option(s) {unknown} are not supported (it writes the "
-                         f"packed tensors the model holds; supported: {list(_SAVE_OPTIONS)})")
-    if kwargs.get("push_to_hub"):
-        raise ValueError("save_pretrained of a packed model: push_to_hub=True is not supported; save to a "
-                         "directory, then upload it (huggingface_hub.upload_folder)")
-    if kwargs.get("safe_serialization") is False:
-        raise ValueError("save_pretrained of a packed model: packed weights are written as safetensors only")
+    _check_save_options(kwargs)
     if not kwargs.get("is_main_process", True):
         return
     max_shard_size = convert_file_size_to_int(kwargs.get("max_shard_size", MAX_SHARD_SIZE))

@@ -273,6 +273,36 @@ def plan_packed(path, meta: dict[str, str], model: nn.Module, fmt: FormatBase,
     return plan
 
 
+def _plan_plain(path, reader: CheckpointReader, keys: list[str], to_module: dict[str, str],
+                targets: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{checkpoint name: model state name}`` of the tensors stored unpacked, each checked against the model
+    (it belongs to it, its shape; floating point where the model's is, all of them in one floating dtype)."""
+    plain: dict[str, str] = {}
+    float_dtypes: dict[str, list[str]] = {}
+    for key in keys:
+        if key not in to_module:
+            raise ValueError(f"{path}: tensor {key!r} does not belong to this model")
+        target = targets[to_module[key]]
+        got_shape, got_dtype = tuple(reader.shape(key)), reader.dtype_name(key)
+        if got_shape != tuple(target.shape):
+            raise ValueError(f"{path}: tensor {key!r} has shape {list(got_shape)}, the model expects "
+                             f"{list(target.shape)}")
+        if target.is_floating_point():
+            if got_dtype not in {DTYPES[d] for d in _FLOAT_DTYPES}:
+                raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects a floating-point "
+                                 f"tensor")
+            float_dtypes.setdefault(got_dtype, []).append(key)
+        elif got_dtype != DTYPES.get(target.dtype):
+            raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects "
+                             f"{DTYPES.get(target.dtype, target.dtype)}")
+        plain[key] = to_module[key]
+    if len(float_dtypes) > 1:     # the writer stores every unquantised tensor in one dtype
+        odd = min(float_dtypes.items(), key=lambda kv: (len(kv[1]), kv[0]))
+        common = max(float_dtypes.items(), key=lambda kv: (len(kv[1]), kv[0]))[0]
+        raise ValueError(f"{path}: tensor {odd[1][0]!r} has dtype {odd[0]}, the other unquantised tensors {common}")
+    return plain
+
+
 def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
                       dtype: torch.dtype = torch.float32, kernel: str = "torch",
                       decode: str = "eager") -> nn.Module:
@@ -309,29 +339,7 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     plan = plan_packed(path, meta, model, fmt, {k: (reader.dtype_name(k), reader.shape(k)) for k in keys})
     used = {k for p in plan for k in p.parts.values()}              # checkpoint tensors packed modules consume
     covered = {f"{p.module_name}.weight" for p in plan}             # model state names those modules provide
-    plain: dict[str, str] = {}    # checkpoint name -> model state name
-    float_dtypes: dict[str, list[str]] = {}
-    for key in sorted(keys - used):
-        if key not in to_module:
-            raise ValueError(f"{path}: tensor {key!r} does not belong to this model")
-        target = targets[to_module[key]]
-        got_shape, got_dtype = tuple(reader.shape(key)), reader.dtype_name(key)
-        if got_shape != tuple(target.shape):
-            raise ValueError(f"{path}: tensor {key!r} has shape {list(got_shape)}, the model expects "
-                             f"{list(target.shape)}")
-        if target.is_floating_point():
-            if got_dtype not in {DTYPES[d] for d in _FLOAT_DTYPES}:
-                raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects a floating-point "
-                                 f"tensor")
-            float_dtypes.setdefault(got_dtype, []).append(key)
-        elif got_dtype != DTYPES.get(target.dtype):
-            raise ValueError(f"{path}: tensor {key!r} has dtype {got_dtype}, the model expects "
-                             f"{DTYPES.get(target.dtype, target.dtype)}")
-        plain[key] = to_module[key]
-    if len(float_dtypes) > 1:     # the writer stores every unquantised tensor in one dtype
-        odd = min(float_dtypes.items(), key=lambda kv: (len(kv[1]), kv[0]))
-        common = max(float_dtypes.items(), key=lambda kv: (len(kv[1]), kv[0]))[0]
-        raise ValueError(f"{path}: tensor {odd[1][0]!r} has dtype {odd[0]}, the other unquantised tensors {common}")
+    plain = _plan_plain(path, reader, sorted(keys - used), to_module, targets)
     missing = [k for k in targets if k not in covered and k not in plain.values()]
     if missing:
         raise ValueError(f"{path}: tensors missing for {len(missing)} parameters, e.g. "

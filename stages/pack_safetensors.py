@@ -29,7 +29,7 @@ from pipeline.hf_write import write_model_dir
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
 from pipeline.ptq import PackParams
-from pipeline.qat.train import QAT_STATE
+from pipeline.qat.engines import QAT_STATE
 from pipeline.stage import console, progress, stage_errors, versions
 from pipeline.teacher import TeacherParams, local_dir
 

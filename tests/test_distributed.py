@@ -331,7 +331,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.launch import LaunchParams
 from pipeline.params import defaults
 from pipeline.qat import distributed as d
-from pipeline.qat.train import _FSDP2
+from pipeline.qat.engines import FSDP2Engine
 
 def held(model):
     # elements of gradient this rank holds: the sharded grads and any unsharded ones FSDP2 keeps for later
@@ -346,7 +346,7 @@ def held(model):
                     total += (t._local_tensor if hasattr(t, "_local_tensor") else t).numel()
     return total
 
-engine = _FSDP2(defaults(LaunchParams, "launch", strategy="fsdp2"))
+engine = FSDP2Engine(defaults(LaunchParams, "launch", strategy="fsdp2"))
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False))
@@ -397,11 +397,11 @@ _SHARDED_TEACHER = """
 import json, sys, torch
 from pipeline.launch import LaunchParams
 from pipeline.params import defaults
-from pipeline.qat import train as T
+from pipeline.qat import engines as E
 
-loads, load = [], T.load_model
-T.load_model = lambda *a, **k: (loads.append(1), load(*a, **k))[1]
-engine = T._FSDP2(defaults(LaunchParams, "launch", strategy="fsdp2", teacher="shard"))
+loads, load = [], E.load_model
+E.load_model = lambda *a, **k: (loads.append(1), load(*a, **k))[1]
+engine = E.FSDP2Engine(defaults(LaunchParams, "launch", strategy="fsdp2", teacher="shard"))
 teacher = engine.teacher(sys.argv[1], torch.bfloat16)
 reads = len(loads)
 ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))

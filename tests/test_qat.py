@@ -167,7 +167,7 @@ def test_qat_init_is_checked():
     from pipeline.qat.train import QATParams
 
     with pytest.raises(params.ParamsError, match="qat.init"):
-        params.from_dict(QATParams, {"init": "random"}, "qat")
+        params.defaults(QATParams, "qat", init="random")
 
 
 def _toy_examples(n: int, seed: int = 0):

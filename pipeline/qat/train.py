@@ -6,23 +6,15 @@ count of the global batch (all micro-batches, all processes); AdamW (0.9, 0.95),
 schedule without warm-up, lr = lr_scale x 2^-(b + 14) unless set. Runs under ``accelerate`` (one process by
 default, DDP on several: ``python -m pipeline.launch``), or with the student sharded by FSDP2
 (``launch.strategy: fsdp2``, ``pipeline.qat.distributed``); checkpoints every N steps and resumes from the last
-one when the fingerprint matches. With ``qat.teacher_logits: cache`` (the default) the teacher's response-token
-logits of every training sequence are computed once before the first step and reused by every step (the toy:
-41 MB, 3.6 s instead of a 53 ms forward per step); ``forward`` runs the teacher at every step (the 11B preset).
-
-Checkpoints hold no pickle: under DDP (and on one process) tensors (model, optimizer moments) in safetensors,
-everything else (step, history, optimizer hyper-parameters, fingerprint) in its JSON metadata; under FSDP2 a
-``torch.distributed.checkpoint`` directory (``<name>.dcp/``: each rank's shards, resharded on load to another
-process count) with ``meta.json``. A checkpoint that cannot be read, or that was
-written for other parameters or data, is reported and training starts afresh.
+one when the fingerprint matches (the engines and their checkpoints: :mod:`pipeline.qat.engines`). With
+``qat.teacher_logits: cache`` the teacher's response-token logits of every training sequence are computed once
+before the first step and reused by every step (memory: about vocabulary x 2 bytes per response token);
+``forward`` runs the teacher at every step (for large vocabularies: the 11B and SmolLM2 presets).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,18 +23,16 @@ from typing import Callable, Literal
 import torch
 
 from pipeline.formats import FormatBase
-from pipeline.io import atomic_dir
-from pipeline.launch import LaunchParams, resolve_backend
+from pipeline.launch import LaunchParams
 from pipeline.launch import settings as launch_settings
-from pipeline.models import (dtype_of, load_config, load_model, load_processor, meta_model, quantised_weight_names,
-                             states_by_module)
+from pipeline.models import dtype_of, load_processor, quantised_weight_names, states_by_module
 from pipeline.params import bounded, non_negative, positive
 from pipeline.qat.api import prepare
 from pipeline.qat.data import Example, batch_indices, collate, model_inputs
 from pipeline.qat.loss import kl_sum
-from pipeline.qat.modules import _FakeQuant, learned_scale
+from pipeline.qat.engines import AccelerateEngine, FSDP2Engine
+from pipeline.qat.modules import learned_scale
 from pipeline.recipe import quantised_modules
-from pipeline.safetensors_io import write_tensors
 from pipeline.stage import console, progress
 
 
@@ -67,10 +57,6 @@ class QATParams:
     teacher_logits: Literal["cache", "forward"]  # cache: the teacher's response logits once per
     #   training sequence, before the first step (full bf16 rows, exactly what it outputs); forward: per step
 
-
-QAT_STATE = "qat_state.safetensors"
-"""Beside the student's fp32 masters: per quantised weight ``P`` the quantiser state it was trained with
-(``P.table`` or ``P.codepoints``) and, with learned scales, ``P.scale`` (bf16); pack-safetensors packs with them."""
 
 Start = Callable[[str, torch.Tensor], tuple]
 """``start(P, weight) -> (master weight, state, bf16 scale)``: the post-training point (``ptq.start``; the stages read
@@ -126,9 +112,9 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
 
     launch = launch if launch is not None else launch_settings()
     if launch.strategy == "fsdp2":
-        engine = _FSDP2(launch)
+        engine = FSDP2Engine(launch)
     else:
-        engine = _Accelerate(launch)
+        engine = AccelerateEngine(launch)
     micro = check(p, examples, engine.world)
     torch.manual_seed(p.seed)
     processor = load_processor(teacher_source)
@@ -139,28 +125,12 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     bits = average_bits(student, fmt)
     lr = p.lr if p.lr is not None else p.lr_scale * recipe_lr(bits)
     scale_lr = p.scale_lr
-    params_ = dict(student.named_parameters())
-    groups = [{"params": [v for k, v in params_.items() if not k.endswith(".qat_log2_scale")], "lr": lr}]
-    if p.learn_scales:
-        groups.append({"params": [v for k, v in params_.items() if k.endswith(".qat_log2_scale")], "lr": scale_lr})
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
+    optimizer = _optimizer(student, p, lr)
     base_lrs = [g["lr"] for g in optimizer.param_groups]
     student, optimizer = engine.prepare(student, optimizer)
     main = engine.rank == 0
-
-    start, history = 0, []
     checkpoint = engine.checkpoint_path(Path(checkpoint))
-    engine.sweep(checkpoint)
-    if checkpoint.exists():
-        try:
-            start, history = engine.load(checkpoint, student, optimizer, fingerprint)
-            if main:
-                console.print(f"qat-train {fmt.name}: resuming at step {start} from {checkpoint}")
-        except ValueError as e:
-            if type(e).__name__ == "ReshardError":    # pipeline.qat.distributed: stop, naming the checkpoint
-                raise
-            if main:
-                console.print(f"qat-train {fmt.name}: {e}; starting afresh")
+    start, history = _resume(engine, checkpoint, student, optimizer, fingerprint, fmt.name)
 
     live = Live(str(live_dir), resume=False, save_dvc_exp=False, dvcyaml=None) if main else None
     if live:
@@ -175,34 +145,14 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     with progress() as bar:
         task = bar.add_task(f"qat {fmt.name}", total=p.steps, completed=start)
         for step in range(start, p.steps):
-            step_lr = cosine(lr, step, p.steps)
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = cosine(base, step, p.steps)
             picked = batch_indices(len(examples), p.batch_size, step, p.seed)
             mine = picked[engine.rank::engine.world]
             chunks = [mine[a * micro:(a + 1) * micro] for a in range(p.grad_accum)]
-            batches = [collate([examples[i] for i in chunk], processor, p.max_seq_len) for chunk in chunks]
-            local_tokens = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=engine.device)
-            global_tokens = engine.reduce_sum(local_tokens).item()
-            kl_total = 0.0
-            for a, batch in enumerate(batches):
-                batch = {k: v.to(engine.device) for k, v in batch.items()}
-                keep = batch.pop("loss_mask").bool()
-                if cache is not None:
-                    t_logits = torch.cat([cache[i] for i in chunks[a]])
-                else:
-                    with torch.no_grad():
-                        t_logits = _teacher_forward(teacher, batch, engine.teacher_dtype)[keep]
-                kl = kl_sum(student(**batch).logits[keep], t_logits)
-                # DDP and FSDP2 average gradients over processes; scale back to a sum over the global batch.
-                loss = kl / max(global_tokens, 1) * engine.world
-                engine.backward(student, loss, sync=a == len(batches) - 1)
-                kl_total += kl.item()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            kl_global = engine.reduce_sum(torch.tensor(kl_total, device=engine.device)).item()
-            record = {"step": step + 1, "kl": kl_global / max(global_tokens, 1), "lr": step_lr,
-                      "tokens": int(global_tokens)}
+            kl, tokens = _step(engine, student, teacher, optimizer, chunks, examples, processor, p, cache)
+            record = {"step": step + 1, "kl": kl / max(tokens, 1), "lr": cosine(lr, step, p.steps),
+                      "tokens": int(tokens)}
             history.append(record)
             if live:
                 _log(live, record)
@@ -228,6 +178,59 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     return summary
 
 
+def _optimizer(student, p: QATParams, lr: float) -> torch.optim.AdamW:
+    """AdamW over the weights at ``lr`` and, with ``qat.learn_scales``, the log2 scales at ``qat.scale_lr``."""
+    params = dict(student.named_parameters())
+    groups = [{"params": [v for k, v in params.items() if not k.endswith(".qat_log2_scale")], "lr": lr}]
+    if p.learn_scales:
+        groups.append({"params": [v for k, v in params.items() if k.endswith(".qat_log2_scale")], "lr": p.scale_lr})
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
+
+
+def _resume(engine, checkpoint: Path, student, optimizer, fingerprint: str, name: str) -> tuple[int, list]:
+    """``(first step, history)`` from the run's checkpoint when it is this run's, else ``(0, [])``."""
+    main = engine.rank == 0
+    engine.sweep(checkpoint)
+    if checkpoint.exists():
+        try:
+            start, history = engine.load(checkpoint, student, optimizer, fingerprint)
+            if main:
+                console.print(f"qat-train {name}: resuming at step {start} from {checkpoint}")
+            return start, history
+        except ValueError as e:
+            if type(e).__name__ == "ReshardError":    # pipeline.qat.distributed: stop, naming the checkpoint
+                raise
+            if main:
+                console.print(f"qat-train {name}: {e}; starting afresh")
+    return 0, []
+
+
+def _step(engine, student, teacher, optimizer, chunks: list, examples: list[Example], processor, p: QATParams,
+          cache) -> tuple[float, float]:
+    """One optimizer step over this process's micro-batches ``chunks``: ``(KL sum, response tokens)`` of the
+    global batch."""
+    batches = [collate([examples[i] for i in chunk], processor, p.max_seq_len) for chunk in chunks]
+    local_tokens = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=engine.device)
+    global_tokens = engine.reduce_sum(local_tokens).item()
+    kl_total = 0.0
+    for a, batch in enumerate(batches):
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        keep = batch.pop("loss_mask").bool()
+        if cache is not None:
+            t_logits = torch.cat([cache[i] for i in chunks[a]])
+        else:
+            with torch.no_grad():
+                t_logits = _teacher_forward(teacher, batch, engine.teacher_dtype)[keep]
+        kl = kl_sum(student(**batch).logits[keep], t_logits)
+        # DDP and FSDP2 average gradients over processes; scale back to a sum over the global batch.
+        loss = kl / max(global_tokens, 1) * engine.world
+        engine.backward(student, loss, sync=a == len(batches) - 1)
+        kl_total += kl.item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return engine.reduce_sum(torch.tensor(kl_total, device=engine.device)).item(), global_tokens
+
+
 def _teacher_forward(teacher, batch: dict, dtype: torch.dtype) -> torch.Tensor:
     return teacher(**model_inputs(batch, dtype)).logits
 
@@ -251,171 +254,6 @@ def teacher_logits(teacher, examples: list[Example], processor, max_seq_len: int
             out.extend(logits[i][keep[i]].clone() for i in range(len(keep)))
             bar.advance(task, len(keep))
     return out
-
-
-class _Accelerate:
-    """``launch.strategy: ddp``: one process (exactly the original loop), or DDP under ``accelerate``."""
-
-    def __init__(self, launch: LaunchParams) -> None:
-        from accelerate import Accelerator
-
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
-            torch.distributed.init_process_group(resolve_backend(launch.backend))   # accelerate joins this group
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
-        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
-        self.device = self.accelerator.device
-
-    def teacher(self, source: str, dtype: torch.dtype):
-        self.teacher_dtype = dtype
-        return load_model(source, dtype).to(self.device)
-
-    def student(self, source: str, quantise, launch: LaunchParams):
-        """The fp32 student, loaded whole on every process (DDP replicates it anyway)."""
-        student = load_model(source, torch.float32)
-        quantise(student)
-        _train_mode(student, launch)
-        return student
-
-    def prepare(self, student, optimizer):
-        return self.accelerator.prepare(student, optimizer)
-
-    def checkpoint_path(self, path: Path) -> Path:
-        return path
-
-    def sweep(self, path: Path) -> None:
-        pass
-
-    def load(self, path, student, optimizer, fingerprint):
-        return _load_checkpoint(path, self.accelerator.unwrap_model(student), optimizer, fingerprint)
-
-    def save(self, path, student, optimizer, step, history, fingerprint) -> None:
-        if self.accelerator.is_main_process:
-            _save_checkpoint(path, self.accelerator.unwrap_model(student), optimizer, step, history, fingerprint)
-
-    def reduce_sum(self, tensor):
-        return self.accelerator.reduce(tensor, "sum")
-
-    def backward(self, student, loss, sync: bool) -> None:
-        if sync:
-            self.accelerator.backward(loss)
-        else:
-            with self.accelerator.no_sync(student):
-                self.accelerator.backward(loss)
-
-    def barrier(self) -> None:
-        self.accelerator.wait_for_everyone()
-
-    def save_student(self, student, processor, out_dir, quantiser_state):
-        if not self.accelerator.is_main_process:
-            return None
-        model = self.accelerator.unwrap_model(student)
-        state = model.state_dict()
-        weights, scales, modules = _split(state, model)
-        tensors, refit = quantiser_state(weights, scales, modules)
-        with atomic_dir(out_dir) as tmp:
-            model.save_pretrained(tmp, state_dict={k: v for k, v in state.items() if not k.endswith(".qat_log2_scale")})
-            processor.save_pretrained(tmp)
-            write_tensors(tmp / QAT_STATE, tensors, {"format": next(iter(modules.values())).format.name})
-        return refit
-
-    def finish(self, checkpoint: Path) -> None:
-        if self.accelerator.is_main_process:
-            checkpoint.unlink(missing_ok=True)
-
-
-class _FSDP2:
-    """``launch.strategy: fsdp2``: the student sharded per layer (``pipeline.qat.distributed``)."""
-
-    def __init__(self, launch: LaunchParams) -> None:
-        from pipeline.qat import distributed
-
-        self.d = distributed
-        self.launch = launch
-        distributed.init_process_group(resolve_backend(launch.backend))
-        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.device = distributed.device()
-
-    def teacher(self, source: str, dtype: torch.dtype):
-        """The frozen teacher whole on every rank (``launch.teacher: replicate``), or sharded: then, as for the
-        student, rank 0 alone reads the checkpoint and the others receive their shards from it (at 11B no rank
-        but one holds the 21 GB bf16 copy a node would otherwise hold once per GPU)."""
-        self.teacher_dtype = dtype
-        if self.launch.teacher != "shard":
-            return load_model(source, dtype).to(self.device)
-        full = load_model(source, dtype) if self.rank == 0 else None
-        model = meta_model(load_config(source), dtype).eval()
-        self.d.shard(model)
-        self.d.fill_from_rank0(model, full, self.device)
-        return model
-
-    def student(self, source: str, quantise, launch: LaunchParams):
-        """The sharded fp32 student: rank 0 alone reads the checkpoint; every rank builds the model on ``meta``,
-        shards it, allocates its own shards and receives them from rank 0 tensor by tensor, so no other rank
-        ever holds the whole model (at 11B: 42 GB of fp32 per process that a node would otherwise hold 8
-        times)."""
-        dtype = torch.bfloat16 if launch.compute_dtype == "bfloat16" else None
-        full = None
-        if self.rank == 0:
-            full = load_model(source, torch.float32)
-            quantise(full)
-        student = meta_model(load_config(source), torch.float32)
-        quantise(student)
-        _train_mode(student, launch)
-        self.d.shard(student, dtype)
-        self.d.fill_from_rank0(student, full, self.device)
-        # Rank 0 keeps the loaded model's skeleton (no memory): saving through it writes the checkpoint's own
-        # tensor names and generation settings, exactly as the one-process run's save_pretrained does.
-        self.template = full.to("meta") if full is not None else None
-        return student
-
-    def prepare(self, student, optimizer):
-        return student, optimizer
-
-    def checkpoint_path(self, path: Path) -> Path:
-        return path.with_suffix(".dcp")
-
-    def sweep(self, path: Path) -> None:
-        if self.rank == 0:
-            self.d.sweep(path)
-        self.barrier()
-
-    def load(self, path, student, optimizer, fingerprint):
-        return self.d.load(path, student, optimizer, fingerprint)
-
-    def save(self, path, student, optimizer, step, history, fingerprint) -> None:
-        self.d.save(path, student, optimizer, step, history, fingerprint)
-
-    def reduce_sum(self, tensor):
-        torch.distributed.all_reduce(tensor)
-        return tensor
-
-    def backward(self, student, loss, sync: bool) -> None:
-        # every micro-batch's gradients reduce-scattered at once (``sync`` ignored): between micro-batches a rank
-        # holds only its shard of them; deferring the sync would keep each unit's whole fp32 gradient on every rank
-        loss.backward()
-
-    def barrier(self) -> None:
-        torch.distributed.barrier()
-
-    def save_student(self, student, processor, out_dir, quantiser_state):
-        state = self.d.full_state_dict(student)          # collective; rank 0 holds it, on CPU
-        refit = None
-        if self.rank == 0:
-            weights, scales, modules = _split(state, student)
-            tensors, refit = quantiser_state(weights, scales, modules)
-            with atomic_dir(out_dir) as tmp:
-                self.template.save_pretrained(tmp, state_dict={k: v for k, v in state.items()
-                                                               if not k.endswith(".qat_log2_scale")})
-                processor.save_pretrained(tmp)
-                write_tensors(tmp / QAT_STATE, tensors, {"format": next(iter(modules.values())).format.name})
-        del state
-        self.barrier()
-        return refit
-
-    def finish(self, checkpoint: Path) -> None:
-        if self.rank == 0:
-            shutil.rmtree(checkpoint, ignore_errors=True)
-        self.barrier()
 
 
 def _quantise(model, fmt: FormatBase, states: dict, p: QATParams, start: Start | None, names: dict) -> None:
@@ -449,18 +287,9 @@ def _quantise(model, fmt: FormatBase, states: dict, p: QATParams, start: Start |
     prepare(model, fmt, by_module, act_quant=p.act_quant, scales=scales)
 
 
-def _split(state: dict, model) -> tuple[dict, dict, dict]:
-    """From a full state dict: ``({module: weight}, {module: learned log2 scale}, {module: fake-quant module})``."""
-
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, _FakeQuant)}
-    weights = {n: state[f"{n}.weight"] for n in modules}
-    scales = {n: state[f"{n}.qat_log2_scale"] for n in modules if f"{n}.qat_log2_scale" in state}
-    return weights, scales, modules
-
-
 def _quantiser_state(fmt: FormatBase, p: QATParams, names: dict, weights: dict, scales: dict, modules: dict,
                      importance) -> tuple[dict, dict | None]:
-    """The tensors of ``QAT_STATE`` (keyed by checkpoint names) and, with ``qat.refit_table`` (S3D8), a summary of
+    """The tensors of ``engines.QAT_STATE`` (keyed by checkpoint names) and, with ``qat.refit_table`` (S3D8), a summary of
     the refit: each table refitted by weighted k-means on the trained weights over their scales, kept where it
     lowers the (importance-weighted) reconstruction error."""
     tensors, refit = {}, None
@@ -491,12 +320,6 @@ def _quantiser_state(fmt: FormatBase, p: QATParams, names: dict, weights: dict, 
     return tensors, refit
 
 
-def _train_mode(student, launch: LaunchParams) -> None:
-    student.train()
-    if launch.gradient_checkpointing:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 def _log(live, record: dict) -> None:
     live.step = record["step"]
     for key in ("kl", "lr", "tokens"):
@@ -504,56 +327,3 @@ def _log(live, record: dict) -> None:
     live.next_step()
 
 
-def _save_checkpoint(path: Path, model, optimizer, step: int, history: list, fingerprint: str) -> None:
-    """Model and optimizer tensors as safetensors; step, history and optimizer settings as JSON metadata."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    opt = optimizer.state_dict()
-    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
-    for index, state in opt["state"].items():
-        for key, value in state.items():
-            tensors[f"optim.{ordered[index]}.{key}"] = value.detach().reshape(value.shape).contiguous()
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
-    write_tensors(path, tensors, {"step": str(step), "history": json.dumps(history), "fingerprint": fingerprint,
-                                  "param_groups": json.dumps(groups), "param_order": json.dumps(ordered)})
-
-
-def _load_checkpoint(path: Path, model, optimizer, fingerprint: str) -> tuple[int, list]:
-    """Restore a checkpoint of this run; ``ValueError`` (the caller starts afresh) if it is unreadable,
-    foreign or from other parameters or data. Never unpickles anything."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("fingerprint") != fingerprint:
-                raise ValueError(f"{path} is from other parameters or data")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        step, history = int(meta["step"]), json.loads(meta["history"])
-        groups, ordered = json.loads(meta["param_groups"]), json.loads(meta["param_order"])
-    except ValueError:
-        raise
-    except Exception as e:  # truncated, not safetensors, missing metadata
-        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
-    current = [n for n, _ in model.named_parameters()]
-    by_name = dict(model.named_parameters())
-    if sorted(ordered) != sorted(current) or len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"{path} was written for another model")
-    model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
-    state = {}
-    for index, name in enumerate(ordered):
-        entry = {k.rpartition(".")[2]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.")
-                 and "." not in k[len(f"optim.{name}."):]}
-        if entry:
-            state[index] = entry
-    ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
-    if [id(by_name[n]) for n in ordered] != ids:
-        raise ValueError(f"{path}: parameter order differs from this run's optimizer")
-    param_groups = []
-    start = 0
-    for saved, group in zip(groups, optimizer.param_groups):
-        count = len(group["params"])
-        param_groups.append({**saved, "params": list(range(start, start + count))})
-        start += count
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
-    return step, history
