@@ -18,6 +18,10 @@ from torch import nn
 
 QUANTISED_TYPES = (nn.Linear, nn.Embedding)
 
+STUDENTS = ("direct-cast", "qat")
+"""The two models the recipe makes of each format: its direct cast and its QAT student
+(``models/packed/<format>/<student>/``)."""
+
 
 class Quantised(nn.Module):
     """Marks a module that stands in for a quantised ``nn.Linear`` / ``nn.Embedding``."""

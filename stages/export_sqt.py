@@ -14,11 +14,10 @@ import argparse
 import os
 
 from pipeline.io import atomic_dir
+from pipeline.recipe import STUDENTS
 from pipeline.sqt import export
 from pipeline.sqt_read import read_sqt, summary
 from pipeline.stage import console, stage_errors
-
-METHODS = ("direct-cast", "qat")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     with stage_errors("export-sqt"):
         os.environ.setdefault("SOURCE_DATE_EPOCH", "0")
         with atomic_dir(args.out) as out:
-            for method in METHODS:
+            for method in STUDENTS:
                 target = out / f"s3d8-{method}.sqt"
                 export(f"{args.packed}/{method}", target)
                 console.print(summary(read_sqt(target)).replace(str(target), f"{args.out}/{target.name}"))

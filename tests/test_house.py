@@ -1,5 +1,5 @@
-"""The shape of the house: no import loops between project modules, and no code outside the format registry that
-asks a format for its name to decide what to do."""
+"""The shape of the house: no import loops between project modules, no code outside the format registry that
+asks a format for its name to decide what to do, small files and functions."""
 
 from __future__ import annotations
 
@@ -107,3 +107,28 @@ def test_no_branch_on_a_format_name_in_the_methods_or_training():
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(line)]
     assert hits == []
+
+
+MAX_FILE_LINES = 480          # "about 450"
+ONE_CONCEPT = {
+    "pipeline/formats/s3d8.py": "the S3D8 format: its codec, fitting, post-training methods and fake-quant hooks",
+    "pipeline/native.py": "the native library's Python face: every kernel entry point with its argument checks",
+}
+MAX_FUNCTION_LINES = 85       # "about 80", docstring included
+
+
+def test_files_and_functions_stay_small():
+    """No module of ``pipeline/`` above about 450 lines unless it is one concept (listed, with the reason), and no
+    function above about 80 lines."""
+    big, long = [], []
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES and rel not in ONE_CONCEPT:
+            big.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{rel}: {node.name} {n} lines")
+    assert big == [] and long == []

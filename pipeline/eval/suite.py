@@ -19,10 +19,10 @@ from pipeline.packed import load_packed_model, read_metadata
 from pipeline.packed_modules import DECODES, check_kernel
 from pipeline.params import non_negative, positive
 from pipeline.qat.data import load_examples, split_heldout
+from pipeline.recipe import STUDENTS
 from pipeline.stage import console
 from pipeline.teacher import TeacherParams, local_dir
 
-METHODS = ("direct-cast", "qat")
 
 
 @dataclass
@@ -57,12 +57,12 @@ def packed_path(fmt: str, method: str, root: str | Path = "models/packed") -> Pa
 class _Job:
     name: str
     fmt: str
-    method: str              # "teacher", "blind" (the teacher on blank images) or one of METHODS
+    method: str              # "teacher", "blind" (the teacher on blank images) or one of STUDENTS
 
 
 def _jobs(fmts: list[str], blind: bool) -> list[_Job]:
     jobs = [_Job("bf16-teacher", "bf16", "teacher")] + ([_Job("bf16-teacher", "bf16", "blind")] if blind else [])
-    return jobs + [_Job(f"{f}-{m}", f, m) for f in fmts for m in METHODS]
+    return jobs + [_Job(f"{f}-{m}", f, m) for f in fmts for m in STUDENTS]
 
 
 def _model_of(job: _Job, p: EvalParams, teacher, teacher_bytes: int, device):
@@ -100,7 +100,7 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
                          f"{device} (use eval.kernel=torch)")
     for fmt in chosen:
         check_kernel(p.kernel if fmt.native_kernel else "torch", fmt, p.act_quant)
-        for method in METHODS:
+        for method in STUDENTS:
             path = packed_path(fmt.name, method)
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: packed model not found (run pack-safetensors for {fmt.name})")

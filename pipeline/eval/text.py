@@ -5,7 +5,7 @@ The perplexity corpus is the prose of the Python Language Reference as CPython s
 (``pydoc_data.topics``: the text ``help()`` shows): written by people, in English, about 460 KB, present wherever
 Python runs, with no download and a licence (PSF) that allows it. Indented blocks (code and grammar) and heading
 underlines are dropped, so what remains is paragraphs of prose. The topics are split by name into a held-out
-slice (every second topic in sorted order, ~28k SmolLM2 tokens) and the rest; perplexity is measured on held-out windows only. The text
+slice (every second topic in sorted order) and the rest; perplexity is measured on held-out windows only. The text
 depends on the Python version: :func:`corpus_info` records the version and the hash of the text measured.
 
 One code path scores every model, ours or llama.cpp's: a model is a ``logits_fn(ids) -> [len(ids), vocab]``

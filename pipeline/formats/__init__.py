@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from pipeline.formats.base import Format, FormatBase, State
 from pipeline.formats.bf16 import BF16
-from pipeline.formats.int import Int6
+from pipeline.formats.int import Int
 from pipeline.formats.int8 import INT8
 from pipeline.formats.lloyd_max import LloydMax
 from pipeline.formats.s3d8 import S3D8
 from pipeline.formats.student_t import StudentT
 
-_FORMATS: dict[str, FormatBase] = {f.name: f for f in (S3D8(), Int6(), StudentT(), LloydMax(), INT8(), BF16())}
+_FORMATS: dict[str, FormatBase] = {f.name: f for f in (S3D8(), Int(), StudentT(), LloydMax(), INT8(), BF16())}
 
 QUANTISED = tuple(name for name, f in _FORMATS.items() if f.comparison)
 """The 2.6-2.7-bit formats of the paper's comparison, in the paper's order."""

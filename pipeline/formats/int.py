@@ -8,7 +8,7 @@ from pipeline.formats.base import State, check_weight
 from pipeline.formats.scalar import BLOCK, Scalar6
 
 
-class Int6(Scalar6):
+class Int(Scalar6):
     """6-level integer {-3..2}, bf16 absmax scale per 128-wide block (absmax maps to 3, so the top
     positive level 2 clips the largest positive values: the format is asymmetric by construction)."""
 

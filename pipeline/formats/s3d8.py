@@ -249,8 +249,7 @@ def quantize(weight: torch.Tensor, table: torch.Tensor, *, use_native: bool | No
     (for float32 input), in the weight's dtype with a straight-through gradient.
 
     On the CPU the native encoder and decoder do the work when they are built (``use_native=None``):
-    they are bit-identical to this module (tested), and some 50x faster, which is most of a CPU QAT
-    step's quantisation cost. ``use_native=False`` forces the reference."""
+    they are bit-identical to this module (tested) and much faster, which matters most in a CPU QAT step. ``use_native=False`` forces the reference."""
     check_weight(weight)
     table = check_table(table)
     d_out, d_in = weight.shape
@@ -286,7 +285,7 @@ def _native_for(t: torch.Tensor, use_native: bool | None):
 def encode_auto(weight: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None, *,
                 use_native: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`encode` (``scale`` None) or :func:`encode_with_scale`, on the native encoder when it is built
-    and the weight lies on the CPU (bit-identical, tested; some 50x faster), else this module's."""
+    and the weight lies on the CPU (bit-identical, tested; much faster), else this module's."""
     native = _native_for(weight, use_native)
     if native is None:
         return encode(weight, table) if scale is None else encode_with_scale(weight, table, scale)

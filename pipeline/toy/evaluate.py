@@ -16,7 +16,7 @@ from pipeline.toy.model import count_parameters
 from pipeline.toy.settings import ToyTeacherParams
 from pipeline.toy.tasks import DESCRIBE, TOY_TASKS, items, load_toy
 
-# The quality bar of the teacher (issue 4): every task at least 0.75, their average at least 0.80.
+# The quality bar of the teacher: every task at least 0.75, their average at least 0.80.
 MIN_TASK, MIN_AVG = 0.75, 0.80
 
 
