@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import decode_step, safetensors_io
-from pipeline.layout import GROUP
+from pipeline.layout import GROUP, packed_shape
 from pipeline.safetensors_io import TORCH_DTYPES
 
 
@@ -84,8 +84,7 @@ class S3D8RowEmbedding(nn.Module):
                  padding_idx: int | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = shape
-        cols = -(-self.embedding_dim // 16) * 16
-        self.register_buffer("packed", packed.reshape(-1, cols))
+        self.register_buffer("packed", packed.reshape(packed_shape(*shape)))
         self.register_buffer("scale", scale.reshape(-1))
         self.register_buffer("table", table)
         self.padding_idx, self.dtype = padding_idx, dtype

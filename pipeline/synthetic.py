@@ -117,7 +117,7 @@ class _Synth:
 
 
 def block_rows(shape: tuple[int, int]) -> int:
-    return max(3, BLOCK_ELEMS // shape[1] // 3 * 3)
+    return max(layout.GROUP, BLOCK_ELEMS // shape[1] // layout.GROUP * layout.GROUP)
 
 
 def _specs(fmt: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
