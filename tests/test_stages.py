@@ -86,7 +86,7 @@ def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, te
     cwd = workdir(tmp_path, teacher, **{"qat.checkpoint_every": 1})
     for part in ("data/sampled", "data/teacher", "data/centroids", "data/calibration", "models/direct-cast"):
         shutil.copytree(chain / part, cwd / part)
-    run_stage_killed_after(cwd, "pipeline.qat.train._save_checkpoint", "qat_train.py", "--format", "s3d8")
+    run_stage_killed_after(cwd, "pipeline.qat.engines.save_checkpoint", "qat_train.py", "--format", "s3d8")
     assert (cwd / "checkpoints/qat/s3d8.safetensors").exists()
     log = run_stage(cwd, "qat_train.py", "--format", "s3d8").stderr
     assert "resuming at step" in log
