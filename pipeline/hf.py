@@ -42,9 +42,9 @@ from transformers.quantizers import auto as hf_auto
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from pipeline import formats
-from pipeline import hf_config, hf_write   # hf_write a module, not its names: it may be mid-import when
-#                                           transformers loads and runs the registration (pipeline/__init__.py)
+# hf_write as a module, not its names: it may be mid-import when transformers loads and runs the registration
+# (pipeline/__init__.py) that imports this module
+from pipeline import formats, hf_config, hf_write
 from pipeline.hf_config import BASE_MODEL_TYPES, INDEX_NAME, guard_model_type, packable, quant_method, saved_config
 from pipeline.models import checkpoint_names
 from pipeline.packed import PACKED_VERSION, packed_format, plan_packed, read_metadata
@@ -273,13 +273,13 @@ class PackedHfQuantizer(HfQuantizer):
                                               act_quant=cfg.act_quant, dtype=self.dtype))
         # transformers' save_pretrained would write the model's state dict under a "format: pt" header and
         # the base model_type: save_packed writes the packed directory this model came from instead
-        model.save_pretrained = functools.partial(hf_write.save_packed, model)     # a partial survives pickle and deepcopy
+        model.save_pretrained = functools.partial(hf_write.save_packed, model)   # survives pickle and deepcopy
         return model
 
     def is_serializable(self, **kwargs) -> bool:
         # reached only through transformers' own PreTrainedModel.save_pretrained, which would drop the layout
-        logger.warning("a packed model is saved by model.save_pretrained(dir) as pipeline.hf_write.save_packed installs "
-                       "it at load; call pipeline.hf_write.save_packed(model, dir) directly")
+        logger.warning("a packed model is saved by model.save_pretrained(dir) as pipeline.hf_write.save_packed "
+                       "installs it at load; call pipeline.hf_write.save_packed(model, dir) directly")
         return False
 
     @property
