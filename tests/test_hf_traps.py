@@ -247,3 +247,15 @@ def test_packed_llama_loads_with_auto_model_for_causal_lm(teacher, tmp_path, tie
     assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     with torch.no_grad():
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "saved")(ids).logits, default(ids).logits)
+
+
+@pytest.mark.parametrize("first", ["pipeline.hf_write", "pipeline.hf_config", "pipeline.hf", "pipeline.packed"])
+def test_the_registration_runs_whichever_module_is_imported_first(first):
+    """The registration runs when transformers is first imported, which can happen halfway through importing one of
+    the Hugging Face modules: every order still registers the packed formats."""
+    code = (f"import {first}, transformers\n"
+            "from transformers.quantizers import auto\n"
+            "assert 's3d8' in auto.AUTO_QUANTIZER_MAPPING and 's3d8' in auto.AUTO_QUANTIZATION_CONFIG_MAPPING\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
