@@ -59,6 +59,29 @@ def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, 2, dim, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def add_bf16_tensor_info(writer, name: str, shape: tuple[int, ...]) -> None:
+    """Declare a Hugging Face tensor as a bf16 GGUF holds it (what :func:`bf16_gguf_array` writes): a vector
+    (a norm) in float32, a matrix in BF16."""
+    import math
+
+    import gguf
+
+    if len(shape) == 1:
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+    else:
+        writer.add_tensor_info(name, shape, np.dtype(np.uint16), 2 * math.prod(shape),
+                               raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+
+def bf16_gguf_array(t: torch.Tensor, rope_heads: int | None = None) -> np.ndarray:
+    """The bytes of a Hugging Face tensor in a bf16 GGUF: a vector as float32, a matrix as bf16 (its rows in
+    llama.cpp's rotary order, :func:`permute_rows`, for a q/k projection with ``rope_heads`` heads)."""
+    if t.dim() == 1:
+        return t.float().numpy()
+    arr = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return permute_rows(arr, rope_heads) if rope_heads else arr
+
+
 def load_config(path: Path):
     """The ``LlamaConfig`` transformers builds from the file (what its GGUF loader runs), in bf16."""
     from transformers import AutoConfig

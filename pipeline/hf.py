@@ -45,7 +45,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 # hf_write as a module, not its names: it may be mid-import when transformers loads and runs the registration
 # (pipeline/__init__.py) that imports this module
 from pipeline import formats, hf_config, hf_write
-from pipeline.hf_config import BASE_MODEL_TYPES, INDEX_NAME, guard_model_type, packable, quant_method, saved_config
+from pipeline.hf_config import (BASE_MODEL_TYPES, INDEX_NAME, QUANT_FORMAT, guard_model_type, quant_method,
+                                saved_config)
 from pipeline.models import checkpoint_names
 from pipeline.packed import PACKED_VERSION, packed_format, plan_packed, read_metadata
 from pipeline.packed_modules import DECODES, check_kernel, packed_layer
@@ -87,7 +88,7 @@ class PackedQuantConfig(QuantizationConfigMixin):
                  act_quant: bool = True, format_version: str | None = None, **kwargs) -> None:
         if kwargs:
             raise ValueError(f"quantization_config: unknown field(s) {sorted(kwargs)}")
-        fmt = packable(format)
+        fmt = formats.packed(format, QUANT_FORMAT)
         expected = hf_config.quant_method(fmt.name)    # the argument shadows the function
         if quant_method is not None and quant_method != expected:
             raise ValueError(f"quantization_config.quant_method is {quant_method!r} but its format {fmt.name!r} "
@@ -197,7 +198,8 @@ class PackedHfQuantizer(HfQuantizer):
 
     def validate_environment(self, device_map=None, **kwargs) -> None:
         cfg = self.quantization_config
-        self.kernel = resolve_kernel(cfg.kernel, packable(cfg.format), cfg.act_quant, device_map)
+        self.kernel = resolve_kernel(cfg.kernel, formats.packed(cfg.format, QUANT_FORMAT), cfg.act_quant,
+                                     device_map)
 
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
         self.dtype = dtype
@@ -205,7 +207,7 @@ class PackedHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
-        fmt = packable(cfg.format)
+        fmt = formats.packed(cfg.format, QUANT_FORMAT)
         if not checkpoint_files:
             raise ValueError("packed models load from files: no checkpoint file was found")
         header: dict[str, tuple[str, list[int]]] = {}
@@ -224,14 +226,13 @@ class PackedHfQuantizer(HfQuantizer):
             raise ValueError(f"{first}: metadata 'format' is {meta.get('format')!r}, but {config_json} "
                              f"quantization_config.format is {fmt.name!r}")
         packed_format(first, meta, fmt)
-        plan = plan_packed(first, meta, model, fmt, header, where)
         with torch.device("cpu"):                  # the model is built under a meta-device context
-            names = checkpoint_names(model)
+            names = checkpoint_names(model)       # a tied lm_head gets its embedding's name, as the file has it
+        plan = plan_packed(first, meta, model, names, fmt, header, where)
         not_converted = set(cfg.modules_to_not_convert or ())
-        tied = getattr(model, "all_tied_weights_keys", None) or {}
         for p in plan:
             module = model.get_submodule(p.module_name)
-            if p.tied or f"{p.module_name}.weight" in tied:    # shares its owner's packed tensors, loaded once
+            if p.tied:                                     # shares its owner's packed tensors, loaded once
                 _untie(model, f"{p.module_name}.weight")
                 replace(model, p.module_name, _PackedSlot(module, None, p.shape))
                 continue
@@ -255,7 +256,7 @@ class PackedHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         cfg = self.quantization_config
-        fmt = packable(cfg.format)
+        fmt = formats.packed(cfg.format, QUANT_FORMAT)
         first = self.source.get("file", "the checkpoint")
         slots = [(n, m) for n, m in model.named_modules() if isinstance(m, _PackedSlot)]
         loaded = {}                   # by checkpoint name: a tied module's slot holds none of its own

@@ -5,8 +5,6 @@ it imports no transformers, so that importing it never runs the registration (``
 
 from __future__ import annotations
 
-from pipeline import formats
-
 GUARD_PREFIX = "s3d8-pipeline-"
 BASE_MODEL_TYPES = ("mllama", "llama")
 """Base ``model_type``s a packed directory may have (each gets a registered guard type)."""
@@ -19,6 +17,8 @@ INSTALL = "pip install <path to an s3d8-pipeline checkout or its wheel>"
 HINT = (f"Packed weights: loading needs the s3d8-pipeline package ({INSTALL}; it is not on PyPI) and "
         f"`import pipeline` before from_pretrained. See README.md.")
 """``config.json``'s :data:`HINT_KEY`: what a user who opens the file after transformers refused it reads."""
+QUANT_FORMAT = "quantization_config.format"
+"""What an error about the packed format a directory's config names calls it."""
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 MAX_SHARD_SIZE = 5 * 10**9
@@ -34,14 +34,6 @@ def guard_model_type(base: str) -> str:
 def quant_method(fmt: str) -> str:
     """``quant_method`` of a format: ``s3d8`` for S3D8, ``s3d8-pipeline-<name>`` for the other packed formats."""
     return "s3d8" if fmt == "s3d8" else f"s3d8-pipeline-{fmt}"
-
-
-def packable(name, what: str = "quantization_config.format"):
-    """The packable format named ``name``; a ValueError naming ``what`` otherwise."""
-    known = {f.name: f for f in formats.packable()}
-    if name not in known:
-        raise ValueError(f"{what} is {name!r}, not one of {sorted(known)}")
-    return known[name]
 
 
 def saved_config(fmt: str, layout: str, version: str, bits_per_weight: float | None = None,

@@ -16,7 +16,7 @@ from torch import nn
 from pipeline import formats
 from pipeline.checkpoint import CheckpointReader
 from pipeline.hf_config import (BASE_MODEL_TYPES, GUARD_PREFIX, HINT, HINT_KEY, INDEX_NAME, INSTALL, MAX_SHARD_SIZE,
-                                MODEL_TYPE, WEIGHTS_NAME, guard_model_type, packable, quant_method, saved_config)
+                                MODEL_TYPE, QUANT_FORMAT, WEIGHTS_NAME, guard_model_type, quant_method, saved_config)
 from pipeline.packed import PACKED_VERSION, read_metadata, write_packed
 from pipeline.safetensors_io import TORCH_DTYPES, StreamingWriter, tensor_specs
 
@@ -96,7 +96,8 @@ def write_model_dir(out: str | os.PathLike, source: CheckpointReader, fmt, state
 
     out, teacher_dir = Path(out), Path(teacher_dir)
     config = json.loads((teacher_dir / "config.json").read_text())
-    packed_config(config, teacher_dir / "config.json", {})   # fail before packing
+    formats.packed(fmt.name)                                  # fail before packing
+    packed_config(config, teacher_dir / "config.json", {})
     out.mkdir(parents=True, exist_ok=True)
     summary = write_packed(out / WEIGHTS_NAME, source, fmt, states, dtype=dtype, metadata=metadata, progress=progress,
                            encode=encode)
@@ -106,7 +107,7 @@ def write_model_dir(out: str | os.PathLike, source: CheckpointReader, fmt, state
     unconverted = sorted(name.removesuffix(".weight") for name in source.keys()
                          if name.endswith(".weight") and len(source.shape(name)) == 2
                          and name.removesuffix(".weight") not in states)
-    quantization = saved_config(packable(fmt.name).name, fmt.layout, PACKED_VERSION,
+    quantization = saved_config(fmt.name, fmt.layout, PACKED_VERSION,
                                 summary["bits_per_param_nominal"], unconverted)
     config = packed_config(config, teacher_dir / "config.json", quantization)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -166,7 +167,7 @@ def save_packed(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -
     if not getattr(quantizer, "source", None):       # what the packed-format quantizer (pipeline.hf) records
         raise ValueError("save_packed: the model was not loaded from a packed directory by from_pretrained")
     cfg, source = quantizer.quantization_config, quantizer.source
-    fmt = packable(cfg.format)
+    fmt = formats.packed(cfg.format, QUANT_FORMAT)
     tensors: dict[str, torch.Tensor] = {}
     for module_name, saved in source["packed"].items():
         parts = _packed_parts(model.get_submodule(module_name), fmt)

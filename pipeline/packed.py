@@ -208,12 +208,8 @@ class PackedWeight:
 def packed_format(path, meta: dict[str, str], fmt: FormatBase | None = None) -> FormatBase:
     """The format a packed file's metadata names (``fmt`` when given: then it must name that one), with its
     ``format_version``, ``layout`` and the format's own metadata checked."""
-    packable = {f.name: f for f in formats.packable()}
     if fmt is None:
-        if meta.get("format") not in packable:
-            raise ValueError(f"{path}: metadata 'format' is {str(meta.get('format'))[:80]!r}, not one of "
-                             f"{sorted(packable)}")
-        fmt = packable[meta["format"]]
+        fmt = formats.packed(meta.get("format"), f"{path}: metadata 'format'")
     if meta.get("format_version", PACKED_VERSION) != PACKED_VERSION:
         raise ValueError(f"{path}: metadata 'format_version' is {meta['format_version'][:40]!r}, this reader "
                          f"reads version {PACKED_VERSION!r}")
@@ -226,16 +222,16 @@ def packed_format(path, meta: dict[str, str], fmt: FormatBase | None = None) -> 
     return fmt
 
 
-def plan_packed(path, meta: dict[str, str], model: nn.Module, fmt: FormatBase,
+def plan_packed(path, meta: dict[str, str], model: nn.Module, names: dict[str, str], fmt: FormatBase,
                 header: dict[str, tuple[str, list[int]]], where: dict[str, str] | None = None) -> list[PackedWeight]:
-    """The quantised modules of ``model`` (built on ``meta``) that a packed file holds packed, from its headers
-    alone (``header``: tensor -> (safetensors dtype, shape), of every file; ``where``: tensor -> its file, for
-    messages): every part present with the dtype and shape ``fmt.packed_specs`` gives for the weight's logical
-    shape (metadata ``shapes``, checked against the model's), none also stored unpacked. Nothing is read."""
+    """The quantised modules of ``model`` (built on ``meta``; ``names``: its :func:`checkpoint_names`, a tied
+    lm_head under its embedding's name) that a packed file holds packed, from its headers alone (``header``:
+    tensor -> (safetensors dtype, shape), of every file; ``where``: tensor -> its file, for messages): every part
+    present with the dtype and shape ``fmt.packed_specs`` gives for the weight's logical shape (metadata ``shapes``,
+    checked against the model's), none also stored unpacked. A module whose weight an earlier one holds (tied)
+    is ``tied``. Nothing is read."""
     where = where or {}
     shapes = _logical_shapes(path, meta)
-    with torch.device("cpu"):                # under transformers' meta-device context, names need real tensors
-        names = checkpoint_names(model)      # a tied lm_head gets its embedding's name, as the file has it
     plan: list[PackedWeight] = []
     seen: set[str] = set()
     for module_name, module in quantised_modules(model):
@@ -336,7 +332,7 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     targets = model.state_dict(keep_vars=True)           # meta tensors: names, shapes, dtypes
 
     # --- plan from the headers alone: nothing is read or allocated yet -----------------------------------
-    plan = plan_packed(path, meta, model, fmt, {k: (reader.dtype_name(k), reader.shape(k)) for k in keys})
+    plan = plan_packed(path, meta, model, names, fmt, {k: (reader.dtype_name(k), reader.shape(k)) for k in keys})
     used = {k for p in plan for k in p.parts.values()}              # checkpoint tensors packed modules consume
     covered = {f"{p.module_name}.weight" for p in plan}             # model state names those modules provide
     plain = _plan_plain(path, reader, sorted(keys - used), to_module, targets)

@@ -103,10 +103,10 @@ def pack(fmt: FormatBase, weight: torch.Tensor, *, method: str,
          fitted: State | None = None, compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The packed tensors (``{suffix: tensor}``, as ``fmt.pack`` lays them out) of ``weight`` cast to format
     ``fmt`` by ``method`` (``absmax``, the only one for the formats outside the comparison: int8, bf16; the
-    stages take it from parameter ``pack.method``). What a packer writes. ``fitted``: the format's ``fit(weight, seed)`` when already at
-    hand (stage fit-centroids' state of this weight), which every method starts from; fitted here otherwise.
-    ``compensated`` (float32 ``[d_out, d_in]``, for :func:`cast`) receives GPTQ's error-compensated weights when
-    the method runs GPTQ, else stays untouched."""
+    stages take it from parameter ``pack.method``). What a packer writes. ``fitted``: the format's
+    ``fit(weight, seed)`` when already at hand (stage fit-centroids' state of this weight), which every method
+    starts from; fitted here otherwise. ``compensated`` (float32 ``[d_out, d_in]``, for :func:`cast`) receives
+    GPTQ's error-compensated weights when the method runs GPTQ, else stays untouched."""
     check_weight(weight)
     method = check_method(method)
     d_in = weight.shape[1]

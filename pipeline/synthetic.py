@@ -28,14 +28,12 @@ import argparse
 import json
 import math
 import os
-import struct
 import zlib
 from pathlib import Path
 
 import torch
 
-from pipeline import layout
-from pipeline.io import atomic_path
+from pipeline import gguf_import, layout
 from pipeline.quant import int8_activations
 from pipeline.safetensors_io import StreamingWriter
 
@@ -206,11 +204,6 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
 
 # --- GGUF for llama.cpp -------------------------------------------------------------------------------------
 
-def _permute_rope(w, n_head: int):
-    """Hugging Face -> llama.cpp row order of q/k (``convert_hf_to_gguf.LlamaModel.permute``)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _rope_freq_factors(cfg: dict):
     import numpy as np
 
@@ -288,26 +281,15 @@ def write_gguf(bf16_path: str | Path, out: str | Path) -> Path:
             if arr is not None:
                 writer.add_tensor_info(g, arr.shape, arr.dtype, arr.nbytes)
                 continue
-            shape = shapes[name]
-            if len(shape) == 1:
-                writer.add_tensor_info(g, shape, np.dtype(np.float32), 4 * shape[0])
-            else:
-                writer.add_tensor_info(g, shape, np.dtype(np.uint16), 2 * math.prod(shape),
-                                       raw_dtype=gguf.GGMLQuantizationType.BF16)
+            gguf_import.add_bf16_tensor_info(writer, g, shapes[name])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for g, name, arr in plan:
             if arr is None:
-                t = f.get_tensor(name)
-                if t.dtype == torch.bfloat16:
-                    arr = t.view(torch.int16).numpy().view(np.uint16)
-                    if ".q_proj." in name:
-                        arr = _permute_rope(arr, cfg["num_attention_heads"])
-                    elif ".k_proj." in name:
-                        arr = _permute_rope(arr, cfg["num_key_value_heads"])
-                else:
-                    arr = t.float().numpy()
+                heads = (cfg["num_attention_heads"] if ".q_proj." in name
+                         else cfg["num_key_value_heads"] if ".k_proj." in name else None)
+                arr = gguf_import.bf16_gguf_array(f.get_tensor(name), heads)
             writer.write_tensor_data(np.ascontiguousarray(arr))
         writer.close()
     os.replace(str(out) + ".tmp", out)

@@ -118,11 +118,8 @@ def write_teacher_gguf(teacher_dir: str | Path, source_gguf: str | Path, out: st
         for name, hf, shape, t in plan:
             if hf is None:
                 writer.add_tensor_info(name, shape, t.data.dtype, int(t.n_bytes), raw_dtype=t.tensor_type)
-            elif len(shape) == 1:
-                writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
             else:
-                writer.add_tensor_info(name, shape, np.dtype(np.uint16), 2 * math.prod(shape),
-                                       raw_dtype=gguf.GGMLQuantizationType.BF16)
+                gguf_import.add_bf16_tensor_info(writer, name, shape)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -130,15 +127,9 @@ def write_teacher_gguf(teacher_dir: str | Path, source_gguf: str | Path, out: st
             if hf is None:
                 writer.write_tensor_data(np.ascontiguousarray(t.data))
                 continue
-            w = f.get_tensor(hf)
-            if w.dim() == 1:
-                arr = w.float().numpy()
-            else:
-                arr = w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-                if ".attn_q." in name:
-                    arr = gguf_import.permute_rows(arr, config.num_attention_heads)
-                elif ".attn_k." in name:
-                    arr = gguf_import.permute_rows(arr, config.num_key_value_heads)
+            heads = (config.num_attention_heads if ".attn_q." in name
+                     else config.num_key_value_heads if ".attn_k." in name else None)
+            arr = gguf_import.bf16_gguf_array(f.get_tensor(hf), heads)
             writer.write_tensor_data(np.ascontiguousarray(arr))
         writer.close()
     return out

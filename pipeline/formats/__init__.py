@@ -50,7 +50,16 @@ def packable() -> list[FormatBase]:
     return [f for f in _FORMATS.values() if f.layout is not None]
 
 
-__all__ = ["Format", "FormatBase", "State", "get", "names", "comparison", "packable", "QUANTISED"]
+def packed(name, what: str = "format") -> FormatBase:
+    """The format with a packed layout called ``name`` (read from a file: any value); anything else is a
+    ``ValueError`` naming ``what``."""
+    known = {f.name: f for f in packable()}
+    if not isinstance(name, str) or name not in known:
+        raise ValueError(f"{what} is {str(name)[:80]!r}, not one of {sorted(known)}")
+    return known[name]
+
+
+__all__ = ["Format", "FormatBase", "State", "get", "names", "comparison", "packable", "packed", "QUANTISED"]
 
 
 def check_names(value) -> list[str]:

@@ -249,7 +249,8 @@ def quantize(weight: torch.Tensor, table: torch.Tensor, *, use_native: bool | No
     (for float32 input), in the weight's dtype with a straight-through gradient.
 
     On the CPU the native encoder and decoder do the work when they are built (``use_native=None``):
-    they are bit-identical to this module (tested) and much faster, which matters most in a CPU QAT step. ``use_native=False`` forces the reference."""
+    they are bit-identical to this module (tested) and much faster, which matters most in a CPU QAT step.
+    ``use_native=False`` forces the reference."""
     check_weight(weight)
     table = check_table(table)
     d_out, d_in = weight.shape
