@@ -6,9 +6,12 @@
  *   sum (w + 128) * x = sum w * x + 128 * sum x,
  * and 128 * x_sum is subtracted once per output. Arithmetic wraps mod 2^32 as in the reference.
  *
- * m = 1 is bound by memory bandwidth: the packed matrix is read S3D8_STREAMS rows at a time (that
- * many linear streams), with a software prefetch ahead of the loads: one core keeps too few DRAM
- * reads in flight from one stream and the hardware prefetcher alone (README, "Generating with a packed model"). */
+ * m = 1 is bound by memory bandwidth: the packed matrix is read S3D8_STREAMS rows at a time (a
+ * block of that many rows, contiguous in memory), and while one block is read the next one is
+ * prefetched into L2 front to back, S3D8_STREAMS lines per 64-byte step, so that the whole block is
+ * on its way before its first load. One core keeps too few DRAM reads in flight from the demand
+ * loads and the hardware prefetcher alone, and a prefetch a fixed distance ahead in each row
+ * interleaves as many streams as rows (README, "Generating with a packed model"). */
 #include <immintrin.h>
 #include <string.h>
 
@@ -21,7 +24,10 @@
 #define S3D8_PREFETCH_HINT _MM_HINT_T0
 #endif
 #ifndef S3D8_STREAMS /* packed rows read at once by the one-token product */
-#define S3D8_STREAMS 6
+#define S3D8_STREAMS 4
+#endif
+#ifndef S3D8_NEXT_HINT /* where the one-token product's prefetch of the next block goes */
+#define S3D8_NEXT_HINT _MM_HINT_T1
 #endif
 #ifndef QSI8_PREFETCH_BYTES
 #define QSI8_PREFETCH_BYTES 512
@@ -157,32 +163,23 @@ static inline __attribute__((always_inline)) void s3d8_group_tokens(
                 y[t * y_stride + j] = epilogue(acc[t][j], x_sum[t], x_scale[t], w_scale[j]);
 }
 
-/* One token times G packed rows (3G output channels) at once: G independent read streams, as the
- * INT8 product reads several rows. G is a compile-time constant at each call. */
+/* One token times G packed rows (3G output channels) at once: G read streams, as the INT8 product
+ * reads several rows. Step s prefetches lines sG .. sG + G - 1 of the next block (`next`, up to
+ * `end`); the ceil(k16 / 64) steps cover its G k16 bytes. G is a compile-time constant at each call. */
 static inline __attribute__((always_inline)) void s3d8_groups_token(
-    int G, size_t k16, const uint8_t *rows0, const int8_t *xq, __m512i l0, __m512i l1, __m512i l2,
-    const uint16_t *w_scale, float x_scale, int32_t x_sum, float *y) {
+    int G, size_t k16, const uint8_t *rows0, const uint8_t *end, const int8_t *xq, __m512i l0,
+    __m512i l1, __m512i l2, const uint16_t *w_scale, float x_scale, int32_t x_sum, float *y) {
     __m512i acc[S3D8_STREAMS][3], w[3];
+    const uint8_t *next = rows0 + (size_t)G * k16;
     for (int g = 0; g < G; g++)
         for (int j = 0; j < 3; j++) acc[g][j] = _mm512_setzero_si512();
     size_t c = 0;
-    for (; c + 64 <= k16; c += 64) {
+    for (; c < k16; c += 64, next += (size_t)G * 64) {
         __m512i xv = _mm512_loadu_si512(xq + c);
-        /* near a row's end, prefetch the start of the same stream's row in the next block (the
-         * bytes just past it are the next stream's, already on their way) */
-        size_t ahead = c + S3D8_PREFETCH_BYTES < k16 ? c + S3D8_PREFETCH_BYTES
-                                                     : c + S3D8_PREFETCH_BYTES + (size_t)(G - 1) * k16;
+        __mmask64 mk = tail_mask(k16 - c); /* 16, 32 or 48 bytes at the end; x is zero beyond them */
         for (int g = 0; g < G; g++) {
-            const uint8_t *row = rows0 + g * k16;
-            _mm_prefetch((const char *)row + ahead, S3D8_PREFETCH_HINT);
-            decode64(_mm512_loadu_si512(row + c), l0, l1, l2, w);
-            for (int j = 0; j < 3; j++) acc[g][j] = _mm512_dpbusd_epi32(acc[g][j], w[j], xv);
-        }
-    }
-    if (c < k16) {
-        __m512i xv = _mm512_loadu_si512(xq + c);
-        for (int g = 0; g < G; g++) {
-            decode64(_mm512_maskz_loadu_epi8(tail_mask(k16 - c), rows0 + g * k16 + c), l0, l1, l2, w);
+            if (next + 64 * g < end) _mm_prefetch((const char *)next + 64 * g, S3D8_NEXT_HINT);
+            decode64(_mm512_maskz_loadu_epi8(mk, rows0 + g * k16 + c), l0, l1, l2, w);
             for (int j = 0; j < 3; j++) acc[g][j] = _mm512_dpbusd_epi32(acc[g][j], w[j], xv);
         }
     }
@@ -196,14 +193,18 @@ static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
                                size_t y_stride) {
     __m512i l0 = bias_lut(luts), l1 = bias_lut(luts + 64), l2 = bias_lut(luts + 128);
     size_t k16 = S3D8_PAD16(k);
-    /* start the stream: the loop's prefetch runs S3D8_PREFETCH_BYTES ahead of the first loads */
-    for (size_t b = 0; b < S3D8_PREFETCH_BYTES && b < S3D8_GROUPS(n) * k16; b += 64)
-        _mm_prefetch((const char *)packed + b, S3D8_PREFETCH_HINT);
+    /* start the stream: one token's first block (its loop prefetches each next one), else the first
+     * S3D8_PREFETCH_BYTES (the loop below runs that far ahead) */
+    size_t start = m == 1 ? S3D8_STREAMS * k16 : S3D8_PREFETCH_BYTES;
+    for (size_t b = 0; b < start && b < S3D8_GROUPS(n) * k16; b += 64) {
+        if (m == 1) _mm_prefetch((const char *)packed + b, S3D8_NEXT_HINT);
+        else _mm_prefetch((const char *)packed + b, S3D8_PREFETCH_HINT);
+    }
     size_t g = 0;
     if (m == 1) /* whole groups of 3 channels, S3D8_STREAMS packed rows at a time */
         for (; g + S3D8_STREAMS <= n / 3; g += S3D8_STREAMS)
-            s3d8_groups_token(S3D8_STREAMS, k16, packed + g * k16, xq, l0, l1, l2, w_scale + 3 * g,
-                              x_scale[0], x_sum[0], y + 3 * g);
+            s3d8_groups_token(S3D8_STREAMS, k16, packed + g * k16, packed + S3D8_GROUPS(n) * k16, xq,
+                              l0, l1, l2, w_scale + 3 * g, x_scale[0], x_sum[0], y + 3 * g);
     for (; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;

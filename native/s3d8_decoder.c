@@ -235,6 +235,54 @@ static inline float dot(const float *a, const float *b, size_t n) {
     return part[0] + part[1];
 }
 
+/* 16 floats as one vector (GCC/Clang vector extensions: one AVX-512 register, two AVX2 or four SSE / NEON
+ * ones); the arithmetic is lane by lane, so the same on every CPU. */
+typedef float v16f __attribute__((vector_size(64)));
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi" /* v16f passed between static inline functions only: no ABI */
+#endif
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The sums of 16 vectors' lanes, as one vector: p[x] holds dot()'s 16 partial sums of product x, and the result's
+ * lane x is dot()'s value for it, to the bit (lanes l and l + 8 added first, then l and l + 4, l and l + 2, l and
+ * l + 1), four rounds of pairwise shuffles and adds instead of 15 scalar additions per product. */
+static inline v16f lane_sums(const v16f p[16]) {
+    v16f r1[8], r2[4], r3[2];
+    for (int i = 0; i < 8; i++)
+        r1[i] = SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        r2[i] = SHUFFLE(r1[2 * i], r1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                SHUFFLE(r1[2 * i], r1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        r3[i] = SHUFFLE(r2[2 * i], r2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                SHUFFLE(r2[2 * i], r2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(r3[0], r3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(r3[0], r3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* s[x] = dot(q, keys + x * hd, hd) for 16 keys, hd a multiple of 16: the same values as dot(), to the bit. */
+static inline v16f dot16(const float *q, const float *keys, size_t hd) {
+    v16f p[16];
+    for (int x = 0; x < 16; x++) {
+        v16f part = {0};
+        for (size_t i = 0; i < hd; i += 16) part += load16(q + i) * load16(keys + x * hd + i);
+        p[x] = part;
+    }
+    return lane_sums(p);
+}
+
 /* exp(x) for x <= 0 (scores minus their maximum), vectorisable: x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite),
  * exp(r) by Cephes' degree-6 polynomial, 2^k from the exponent bits; within 2 ulp of expf, 0 below -87. The same
  * float operations on every CPU, so the same bits. */
@@ -253,34 +301,60 @@ static inline float exp_nonpositive(float x) {
     return x <= -87.0f ? 0.0f : p * two.f;
 }
 
+/* exp(x) for any x, vectorisable: exp(-|x|) as above, its reciprocal for x > 0 (within 3 ulp of expf up to
+ * x = 87, +Inf from there on where expf overflows only above 88.72). For the SiLU. */
+static inline float exp_any(float x) {
+    float e = exp_nonpositive(-fabsf(x));
+    return x > 0.0f ? 1.0f / e : e;
+}
+
 /* The query heads of kv head `g` over `len` cached keys/values: softmax(q k^T * scale + bias) v, each key and
- * value read once for all the group's heads. */
+ * value read once for all the group's heads (from L1 for all but the first). Scores of 16 keys at a time in one
+ * vector when head_dim is a multiple of 16; the same values as dot() key by key. */
 WIDE static void attend_group(const s3d8_decoder *d, const s3d8_layer *L, size_t g, size_t len, const areas *a) {
     size_t hd = d->head_dim, per = d->n_heads / d->n_kv_heads;
     const float *kc = L->k_cache + g * L->cache_len * hd, *vc = L->v_cache + g * L->cache_len * hd;
     const float *q = a->q + g * per * hd;
     float *scores = a->scores + g * per * len, *out = a->att + g * per * hd;
     float scale = (float)(1.0 / sqrt((double)hd));
-    for (size_t t = 0; t < len; t++)
+    size_t t0 = 0;
+    if (hd % 16 == 0)
+        for (; t0 + 16 <= len; t0 += 16)
+            for (size_t j = 0; j < per; j++) {
+                v16f s = dot16(q + j * hd, kc + t0 * hd, hd) * scale;
+                if (L->bias) s += load16(L->bias + t0);
+                memcpy(scores + j * len + t0, &s, sizeof s);
+            }
+    for (size_t t = t0; t < len; t++)
         for (size_t j = 0; j < per; j++) {
             float s = dot(q + j * hd, kc + t * hd, hd) * scale;
             scores[j * len + t] = L->bias ? s + L->bias[t] : s;
         }
     for (size_t j = 0; j < per; j++) {
-        float *sj = scores + j * len, top = -INFINITY, sum = 0.0f;
-        for (size_t t = 0; t < len; t++) top = sj[t] > top ? sj[t] : top;
-        for (size_t t = 0; t < len; t++) sj[t] = exp_nonpositive(sj[t] - top);
-        for (size_t t = 0; t < len; t++) sum += sj[t];
-        for (size_t t = 0; t < len; t++) sj[t] = sj[t] / sum;
+        float *sj = scores + j * len, top = -INFINITY, tops[16], part[16] = {0};
+        size_t t = 0;
+        for (int i = 0; i < 16; i++) tops[i] = -INFINITY;
+        for (; t + 16 <= len; t += 16)
+            for (int i = 0; i < 16; i++) tops[i] = sj[t + i] > tops[i] ? sj[t + i] : tops[i];
+        for (; t < len; t++) top = sj[t] > top ? sj[t] : top;
+        for (int i = 0; i < 16; i++) top = tops[i] > top ? tops[i] : top;   /* a maximum in any order */
+        for (t = 0; t < len; t++) sj[t] = exp_nonpositive(sj[t] - top);
+        for (t = 0; t + 16 <= len; t += 16)   /* 16 partial sums, as dot() */
+            for (int i = 0; i < 16; i++) part[i] += sj[t + i];
+        for (; t < len; t++) part[t % 16] += sj[t];
+        for (int i = 0; i < 8; i++) part[i] += part[i + 8];
+        for (int i = 0; i < 4; i++) part[i] += part[i + 4];
+        float sum = (part[0] + part[2]) + (part[1] + part[3]);
+        for (t = 0; t < len; t++) sj[t] = sj[t] / sum;
     }
     for (size_t j = 0; j < per; j++) {
         const float *p = scores + j * len;
         float *o = out + j * hd;
         size_t i0 = 0;
         for (; i0 + 64 <= hd; i0 += 64) {     /* 64 outputs at a time: four independent vector sums over t */
-            float acc[64] = {0};
+            v16f acc[4] = {{0}, {0}, {0}, {0}};
             for (size_t t = 0; t < len; t++)
-                for (int i = 0; i < 64; i++) acc[i] += p[t] * vc[t * hd + i0 + i];
+                for (int c = 0; c < 4; c++) acc[c] += p[t] * load16(vc + t * hd + i0 + 16 * c);
             memcpy(o + i0, acc, sizeof acc);
         }
         for (size_t i = i0; i < hd; i++) {
@@ -324,6 +398,11 @@ static void embed(const s3d8_decoder *d, const s3d8_variant *var, const areas *a
     }
 }
 
+/* gate = silu(gate) * up = gate / (1 + exp(-gate)) * up. */
+WIDE static void silu_gate(size_t n, float *gate, const float *up) {
+    for (size_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + exp_any(-gate[i])) * up[i];
+}
+
 /* ---- the step ---------------------------------------------------------------------------------- */
 
 static void mlp(const s3d8_decoder *d, const s3d8_layer *L, const s3d8_variant *var, int threads,
@@ -332,7 +411,7 @@ static void mlp(const s3d8_decoder *d, const s3d8_layer *L, const s3d8_variant *
     float *gu_out[2] = {a->gate, a->up}, *down_out[1] = {a->y};
     rms_norm(d->hidden, a->x, L->ln2, d->eps, a->h);
     products(d, var, threads, a, a->h, gu, gu_out, 2);
-    for (size_t i = 0; i < L->gate.n; i++) a->gate[i] = a->gate[i] / (1.0f + expf(-a->gate[i])) * a->up[i];
+    silu_gate(L->gate.n, a->gate, a->up);
     products(d, var, threads, a, a->gate, down, down_out, 1);
 }
 

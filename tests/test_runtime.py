@@ -12,7 +12,7 @@ from safetensors import safe_open
 from pipeline import formats, runtime, runtime_models
 from pipeline.checkpoint import CheckpointReader
 from pipeline.formats import s3d8 as s3d8_format
-from pipeline.synthetic import write_gguf, write_synthetic
+from pipeline.synthetic import llama_config, write_gguf, write_synthetic
 from tests.conftest import tiny_inputs
 
 
@@ -20,6 +20,13 @@ from tests.conftest import tiny_inputs
 def synth(tmp_path_factory):
     out = tmp_path_factory.mktemp("synth")
     return write_synthetic("synthetic-tiny", out, seed=0)
+
+
+@pytest.fixture(scope="module")
+def synth_hd64(tmp_path_factory):
+    """synthetic-tiny with 64-wide heads (Llama 3.2's), the C decoder's vectorised attention path."""
+    cfg = dict(llama_config("synthetic-tiny").to_dict(), head_dim=64)
+    return write_synthetic(cfg, tmp_path_factory.mktemp("synth64"), seed=0)
 
 
 def test_synthetic_files_hold_the_same_weights(synth):
@@ -58,14 +65,15 @@ def test_lean_llama_equals_hf_llama_on_the_same_kernels(synth, fmt):
     assert one.decode_tokens_per_s > 0 and one.prefill_tokens_per_s > 0
 
 
-@pytest.mark.parametrize("fmt", ["s3d8", "int8", "bf16"])
-def test_c_decode_step_gives_the_torch_paths_tokens_and_cache(synth, fmt):
+@pytest.mark.parametrize("fmt,heads", [("s3d8", 24), ("int8", 24), ("bf16", 24), ("s3d8", 64), ("bf16", 64)])
+def test_c_decode_step_gives_the_torch_paths_tokens_and_cache(synth, synth_hd64, fmt, heads):
     """A decode token in one C call (pipeline/decode_step.py) against the torch general path on the same weights:
     the same greedy tokens, logits and K/V cache equal to float32 rounding (the RMSNorm mean, SiLU's exp and the
     attention sums are summed in another order than torch's; the products, RoPE and residuals are the same
     arithmetic)."""
     ids = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(2))
-    a, b = runtime_models.LeanLlama(synth[fmt], 40), runtime_models.LeanLlama(synth[fmt], 40)
+    path = (synth if heads == 24 else synth_hd64)[fmt]   # 24: scalar attention sums; 64: 16 keys a vector
+    a, b = runtime_models.LeanLlama(path, 40), runtime_models.LeanLlama(path, 40)
     la, lb = a.forward(ids, 0), b.forward(ids, 0)
     for pos in range(6, 40):
         ta, tb = int(la.argmax()), int(lb.argmax())
