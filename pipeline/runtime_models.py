@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 from pathlib import Path
 
 import torch
@@ -35,21 +36,41 @@ def read_header(path: str | Path) -> tuple[dict, dict[str, str], int]:
                                 else str(e)) from None
 
 
+def private_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of private anonymous memory as a uint8 tensor, transparent huge pages advised where the OS has
+    them (Linux ``MADV_HUGEPAGE``): a stream over 4 KB pages misses the TLB every 64 cache lines, and on 2 MB
+    pages the 1B's one-token decode ran ~20 % faster (the bandwidth probe reads the same kind of memory)."""
+    if not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):   # no such advice on this OS, or transparent huge pages disabled
+        pass
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+
 def read_tensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """Every tensor read into private memory with plain reads (no mmap: resident memory is the file once)."""
+    """Every tensor read into one block of :func:`private_memory` with plain reads (no mmap of the file: resident
+    memory is the file once), each at a 64-byte aligned offset."""
     header, meta, base = read_header(path)
-    out = {}
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    offsets, end = [], 0
+    for _, e in entries:
+        offsets.append(end)
+        end += -(-(e["data_offsets"][1] - e["data_offsets"][0]) // 64) * 64
+    memory, out = private_memory(end), {}
     with open(path, "rb", buffering=0) as f:
-        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            dtype = TORCH_DTYPES[e["dtype"]]
-            t = torch.empty(e["shape"], dtype=dtype)
+        for (name, e), off in zip(entries, offsets):
             a, b = e["data_offsets"]
+            dtype = TORCH_DTYPES[e["dtype"]]
+            if math.prod(e["shape"]) * dtype.itemsize != b - a:
+                raise RuntimeInputError(f"{path}: tensor {name!r} holds {b - a} bytes, not its shape's")
             f.seek(base + a)
-            view = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-            got = f.readinto(view) if t.numel() else 0
+            got = f.readinto(memory[off:off + b - a].numpy()) if b > a else 0
             if got != b - a:
                 raise RuntimeInputError(f"{path}: tensor {name!r} is truncated")
-            out[name] = t
+            out[name] = memory[off:off + b - a].view(dtype).reshape(e["shape"])
     return meta, out
 
 

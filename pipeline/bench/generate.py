@@ -16,8 +16,8 @@ times torch's INT8 GEMM too, slow without VNNI), a one-off cost a timed prefill 
 llama.cpp rows (``--llama-cpp``) need the optional extra (``pip install -r requirements-bench.txt``):
 the bf16 synthetic weights as GGUF, quantised by llama.cpp's own ``llama_model_quantize``; without
 the packages those rows are skipped with a message. Read bandwidth is measured for each thread count with
-``native.read_bandwidth_probe`` (1 GiB split over the threads, best of 5); a row's bandwidth bound is its thread
-count's. ``overhead_ms_per_token`` (lean rows): a decode token of the C step with its weight products stubbed out.
+``native.read_bandwidth_probe`` (1 GiB split over the threads, best of 5, on memory allocated as the runtime's
+weights are: huge pages advised); a row's bandwidth bound is its thread count's. ``overhead_ms_per_token`` (lean rows): a decode token of the C step with its weight products stubbed out.
 """
 
 from __future__ import annotations
@@ -257,12 +257,13 @@ def measure(spec: dict, timeout: int = 1800) -> dict:
 
 def read_bandwidth(threads: int = 1, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s of ``threads`` threads each reading its own ``nbytes / threads`` at once (best of
-    ``repeats`` passes; the probe releases the GIL)."""
+    ``repeats`` passes; the probe releases the GIL), from the kind of memory the runtime reads its weights from
+    (``runtime_models.private_memory``: huge pages advised)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline import native
+    from pipeline import native, runtime_models
 
-    bufs = [torch.ones(nbytes // threads, dtype=torch.uint8) for _ in range(threads)]
+    bufs = [runtime_models.private_memory(nbytes // threads).fill_(1) for _ in range(threads)]
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
@@ -341,7 +342,7 @@ def write_report(data: dict, out_dir: Path) -> None:
     md = ["# Generation benchmark", "",
           f"Machine: {machine.line(data['machine'])}; load average {data['load_average_before']} before, "
           f"{data['load_average_after']} after; read bandwidth {bws} (`native.read_bandwidth_probe`, 1 GiB in all, "
-          f"best of 5). Prompt {data['prompt_tokens']} tokens, {data['new_tokens']} new tokens, greedy, EOS ignored; "
+          f"best of 5, huge pages advised as for the weights). Prompt {data['prompt_tokens']} tokens, {data['new_tokens']} new tokens, greedy, EOS ignored; "
           "each row a fresh process. Lean rows decode each token in one C call (`pipeline/decode_step.py`); "
           "overhead ms/token is that call with the weight products stubbed out. Timings on a shared machine: "
           "compare ratios within this run.", "",
