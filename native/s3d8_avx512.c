@@ -164,13 +164,14 @@ static inline __attribute__((always_inline)) void s3d8_group_tokens(
 }
 
 /* One token times G packed rows (3G output channels) at once: G read streams, as the INT8 product
- * reads several rows. Step s prefetches lines sG .. sG + G - 1 of the next block (`next`, up to
- * `end`); the ceil(k16 / 64) steps cover its G k16 bytes. G is a compile-time constant at each call. */
+ * reads several rows. Step s prefetches lines sG .. sG + G - 1 of the next block (the bytes from
+ * G k16 on, of the `left` bytes from rows0 on); the ceil(k16 / 64) steps cover its G k16 bytes. G is
+ * a compile-time constant at each call. */
 static inline __attribute__((always_inline)) void s3d8_groups_token(
-    int G, size_t k16, const uint8_t *rows0, const uint8_t *end, const int8_t *xq, __m512i l0,
+    int G, size_t k16, const uint8_t *rows0, size_t left, const int8_t *xq, __m512i l0,
     __m512i l1, __m512i l2, const uint16_t *w_scale, float x_scale, int32_t x_sum, float *y) {
     __m512i acc[S3D8_STREAMS][3], w[3];
-    const uint8_t *next = rows0 + (size_t)G * k16;
+    size_t next = (size_t)G * k16;
     for (int g = 0; g < G; g++)
         for (int j = 0; j < 3; j++) acc[g][j] = _mm512_setzero_si512();
     size_t c = 0;
@@ -178,7 +179,7 @@ static inline __attribute__((always_inline)) void s3d8_groups_token(
         __m512i xv = _mm512_loadu_si512(xq + c);
         __mmask64 mk = tail_mask(k16 - c); /* 16, 32 or 48 bytes at the end; x is zero beyond them */
         for (int g = 0; g < G; g++) {
-            if (next + 64 * g < end) _mm_prefetch((const char *)next + 64 * g, S3D8_NEXT_HINT);
+            if (next + 64 * g < left) _mm_prefetch((const char *)rows0 + next + 64 * g, S3D8_NEXT_HINT);
             decode64(_mm512_maskz_loadu_epi8(mk, rows0 + g * k16 + c), l0, l1, l2, w);
             for (int j = 0; j < 3; j++) acc[g][j] = _mm512_dpbusd_epi32(acc[g][j], w[j], xv);
         }
@@ -203,8 +204,8 @@ static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
     size_t g = 0;
     if (m == 1) /* whole groups of 3 channels, S3D8_STREAMS packed rows at a time */
         for (; g + S3D8_STREAMS <= n / 3; g += S3D8_STREAMS)
-            s3d8_groups_token(S3D8_STREAMS, k16, packed + g * k16, packed + S3D8_GROUPS(n) * k16, xq,
-                              l0, l1, l2, w_scale + 3 * g, x_scale[0], x_sum[0], y + 3 * g);
+            s3d8_groups_token(S3D8_STREAMS, k16, packed + g * k16, (S3D8_GROUPS(n) - g) * k16, xq, l0,
+                              l1, l2, w_scale + 3 * g, x_scale[0], x_sum[0], y + 3 * g);
     for (; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
