@@ -10,11 +10,20 @@ At the 11B the matrices take ``sum(d_in^2) * 4`` bytes (the 40 MLP down projecti
 ``calibrate.hessian_memory_gb`` (consecutive in the file's sorted order), each group's matrices written as soon as
 it is done: the file is streamed tensor by tensor, and readers hold one at a time. The teacher and the sums live on
 the GPU when there is one; host memory is then the teacher while it loads plus one matrix in float32 at a time.
+
+What the teacher reads (``calibrate.source``): ``teacher-answers`` (the training prompts with the teacher's answers,
+images included: the only source for a vision model's image path), ``corpus`` (the part of the project's English
+prose corpus that perplexity is never measured on, :func:`pipeline.eval.text.corpus_text` ``"rest"``) or
+``file:PATH`` (a UTF-8 text file of the user's), the text cut into ``n_prompts`` windows of ``max_seq_len`` tokens.
+With ``calibrate.sequential`` the direct cast takes each matrix's ``X^T X`` from the partly cast model itself
+(:mod:`pipeline.sequential`, over the same :func:`calibration_inputs`); this stage's teacher matrices then serve the
+QAT table refit only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -23,7 +32,9 @@ from pipeline import ptq
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.params import non_negative, positive
 from pipeline.safetensors_io import StreamingWriter
-from pipeline.qat.data import collate, load_examples, model_inputs, split_heldout
+from pipeline.shards import file_hash, shard_paths
+from pipeline.eval.text import CORPUS, corpus_info, corpus_text
+from pipeline.qat.data import collate, load_examples, model_inputs, split_heldout, tokenizer_of
 from pipeline.teacher import TeacherParams
 
 
@@ -49,13 +60,79 @@ class Calibration:
             return f.get_tensor(name)
 
 
+TEXT_SOURCES = ("teacher-answers", "corpus")
+
+
+def check_source(source: str) -> str:
+    """The ``calibrate.source`` parameter: one of :data:`TEXT_SOURCES` or ``file:PATH``."""
+    if source in TEXT_SOURCES or (source.startswith("file:") and len(source) > 5):
+        return source
+    raise ValueError(f"calibrate.source {source!r}: expected one of {', '.join(TEXT_SOURCES)} or file:PATH")
+
+
 @dataclass
 class CalibrateParams:
-    n_prompts: int = positive()            # teacher answers from the training split (all of them when fewer)
-    max_seq_len: int = positive()          # longer prompt + answer sequences are cut here
+    n_prompts: int = positive()            # teacher answers from the training split (all of them when fewer), or text
+                                           # windows
+    max_seq_len: int = positive()          # longer prompt + answer sequences are cut here; the text windows' length
     seed: int
     threads: int = non_negative()          # torch intra-op threads (0: torch's default)
     hessian_memory_gb: float = positive()  # float64 sums held at once; beyond, more passes over the prompts
+    source: str                            # teacher-answers | corpus | file:PATH
+    sequential: bool                       # the direct cast's X^T X from the partly cast model (GPTQ's order)
+
+    def __post_init__(self) -> None:
+        check_source(self.source)
+
+
+def text_windows(text: str, tokenizer, n: int, length: int, what: str) -> list[list[int]]:
+    """The first ``n`` windows of ``length`` tokens of ``text``, each starting with what the tokenizer puts before a
+    text (its BOS, for a tokenizer that adds one); fewer when the text is shorter (at least one, else an error)."""
+    bos = tokenizer("")["input_ids"]
+    step = length - len(bos)
+    if step < 1:
+        raise ValueError(f"calibrate.max_seq_len={length}: too short for a window")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    windows = [bos + ids[i:i + step] for i in range(0, min(len(ids), n * step), step)]
+    windows = [w for w in windows if len(w) > len(bos) + 1]
+    if not windows:
+        raise ValueError(f"{what}: no text to calibrate on")
+    return windows
+
+
+def calibration_fingerprint(p: CalibrateParams, teacher_data: str) -> list:
+    """What determines :func:`calibration_inputs`: the parameters that choose the text and the text itself."""
+    chosen = {k: getattr(p, k) for k in ("n_prompts", "max_seq_len", "seed", "source")}
+    if p.source == "teacher-answers":
+        return [chosen, [file_hash(s) for s in shard_paths(teacher_data)]]
+    if p.source == "corpus":
+        return [chosen, corpus_info("rest")["sha256"]]
+    return [chosen, file_hash(p.source[len("file:"):])]
+
+
+def calibration_inputs(p: CalibrateParams, processor, teacher_data: str, heldout: int, vocab: int,
+                       pool: str | None = None) -> list[dict]:
+    """The calibration sequences as model inputs (CPU, one sequence each, no padding), from ``p.source``."""
+    if p.source == "teacher-answers":
+        train, _ = split_heldout(load_examples(teacher_data, vocab), heldout)
+        if not train:
+            raise ValueError(f"{teacher_data}: no training prompts to calibrate on (heldout_prompts={heldout})")
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(p.seed)).tolist()
+        chosen = [train[i] for i in sorted(order[:p.n_prompts])]
+        return [collate([e], processor, p.max_seq_len, pool) for e in chosen]
+    if p.source == "corpus":
+        text, what = corpus_text("rest"), f"calibration corpus {CORPUS}"
+    else:
+        path = Path(p.source[len("file:"):])
+        if not path.is_file():
+            raise ValueError(f"calibrate.source: {path}: no such file")
+        try:
+            text, what = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"calibrate.source: {path}: not UTF-8 text ({e})") from None
+    windows = text_windows(text, tokenizer_of(processor), p.n_prompts, p.max_seq_len, what)
+    return [{"input_ids": torch.tensor([w]), "attention_mask": torch.ones(1, len(w), dtype=torch.long)}
+            for w in windows]
 
 
 def calibrate(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, heldout: int, out: str,
@@ -66,29 +143,24 @@ def calibrate(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, hel
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = load_model(teacher.dir, dtype_of(teacher.dtype)).to(device)
     processor = load_processor(teacher.dir)
-    train, _ = split_heldout(load_examples(teacher_data, token_ids(model.config)), heldout)
-    if not train:
-        raise ValueError(f"{teacher_data}: no training prompts to calibrate on (heldout_prompts={heldout})")
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(p.seed)).tolist()
-    chosen = [train[i] for i in sorted(order[:p.n_prompts])]
+    chosen = calibration_inputs(p, processor, teacher_data, heldout, token_ids(model.config), pool)
     names = {m: saved.removesuffix(".weight") for m, saved in quantised_weight_names(model).items()
              if isinstance(model.get_submodule(m), torch.nn.Linear)}
     modules = sorted(names, key=names.get)                      # the file's order
     width = {m: model.get_submodule(m).in_features for m in modules}
     groups = passes([width[m] for m in modules], p.hessian_memory_gb * 1e9)
-    tokens = sum(min(len(e.prompt_ids) + len(e.response_ids), p.max_seq_len) for e in chosen)
+    tokens = sum(int(e["input_ids"].numel()) for e in chosen)
     summary = {"prompts": len(chosen), "modules": len(modules), "tokens": tokens}
     specs = [(names[m], torch.float32, (width[m], width[m])) for m in modules]
     with StreamingWriter(out, specs, {**metadata, **{k: str(v) for k, v in summary.items()}}) as writer:
         for a, b in groups:
             group = modules[a:b]
-            batches = (_inputs(collate([e], processor, p.max_seq_len, pool), model.dtype, device, on_prompt)
-                       for e in chosen)
+            batches = (_inputs(e, model.dtype, device, on_prompt) for e in chosen)
             found = ptq.collect_hessians(model, batches, group)
             never = [m for m in group if m not in found]
             if never:
                 raise ValueError(f"calibration: modules never called on {len(chosen)} prompts, e.g. {never[:3]} "
-                                 f"(do the prompts hold an image?)")
+                                 f"(do the prompts hold an image? calibrate.source={p.source})")
             for m in group:
                 h = found.pop(m).cpu()
                 if not bool(torch.isfinite(h).all()):

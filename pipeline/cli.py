@@ -1,6 +1,6 @@
 """The ``s3d8`` command: the library's main operations without the DVC pipeline.
 
-    s3d8 pack MODEL_DIR OUT [--format s3d8] [--dtype bfloat16]   # direct cast to a packed file (SPEC section 7)
+    s3d8 pack MODEL_DIR OUT [--format s3d8] [--calibration TEXT]  # calibrated cast to a packed file (SPEC section 7)
     s3d8 eval PACKED [--tasks toy-vqa ...] [--n 16]               # score a packed model on the (toy) tasks
     s3d8 export-sqt PACKED OUT.sqt [--tokenizer DIR]              # the reference engine's .sqt v3 file
     s3d8 bench [--shape 1,4096,4096] [--threads 1]                # S3D8 vs BF16 matmul on the native kernels
@@ -44,40 +44,117 @@ def _model_dir(path: str, tokenizer: str | None) -> str:
 
 
 def cmd_pack(args) -> int:
-    import torch  # noqa: F401  (import order: torch before the formats)
+    import tempfile
 
-    from pipeline import formats
+    import torch
+
+    from pipeline import direct_cast, formats
+    from pipeline.calibrate import text_windows
+    from pipeline.chat import tokenizer_of
     from pipeline.checkpoint import CheckpointReader
-    from pipeline.fit import fit_model
-    from pipeline.models import dtype_of, load_config
+    from pipeline.io import atomic_dir
+    from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names
+    from pipeline.packed import write_packed
+    from pipeline.precision import Precision, parse_rules
+    from pipeline.rotate import rotate_llama
+    from pipeline.stage import progress
     from pipeline.teacher import local_dir
 
     fmt = formats.comparison(args.format, "--format")
+    plan = Precision(fmt, parse_rules(args.precision))
+    for flag, value in (("--calibration-windows", args.calibration_windows), ("--window", args.window),
+                        ("--eval-tokens", args.eval_tokens or 2)):
+        if value < 2:
+            raise ValueError(f"{flag} {value}: must be at least 2")
     source = local_dir(args.model)
     out = Path(args.out)
     as_dir = out.suffix != ".safetensors"
     if as_dir:
         _check_pack_dir(out, source)
-    states, report = fit_model(fmt, str(source), seed=args.seed)
-    metadata = {"config": load_config(str(source)).to_dict(), "method": "direct-cast", "source_model": args.model}
-    if as_dir:      # the Hugging Face directory pack-safetensors writes (config, processor, card), atomically
-        from pipeline.hf_write import write_model_dir
-        from pipeline.io import atomic_dir
+    tokenizer = tokenizer_of(load_processor(str(source)))
+    text, what = _calibration_text(args.calibration)
+    inputs = [{"input_ids": torch.tensor([w])}
+              for w in text_windows(text, tokenizer, args.calibration_windows, args.window, what)]
+    model = load_model(str(source), torch.float32)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, progress() as bar:
+        if args.rotate != "none":         # the rotated model, saved in float32, is what is packed
+            rotate_llama(model, args.rotate, args.seed)
+            model.save_pretrained(f"{tmp}/rotated")
+            load_processor(str(source)).save_pretrained(f"{tmp}/rotated")
+            source = Path(f"{tmp}/rotated")
+        names = [n for n in dict.fromkeys(s.removesuffix(".weight") for s in quantised_weight_names(model).values())
+                 if plan.format_of(n) is not None]
+        task = bar.add_task(f"pack {plan.describe()} ({args.method}, {len(inputs)} windows of {what})",
+                            total=len(names))
+        staging = Path(tmp) / "cast"
+        staging.mkdir()
+        direct_cast.cast_in_order(plan, model, inputs, lambda name: None, args.method, staging, "s3d8 pack",
+                                  on_matrix=lambda: bar.advance(task))
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            groups.setdefault(direct_cast.group_of(name), []).append(name)
+        direct_cast.write_index(staging, plan, args.method, groups, {})
+        cast = direct_cast.DirectCast(staging, fmt)
+        del model
+        states = {n: {} for n in names}
+        other = {n: f for n in names if (f := plan.format_of(n)) is not fmt}
+        encode = lambda name, weight, state: cast.packed(name, weight.shape)  # noqa: E731
+        metadata = {"method": "direct-cast", "source_model": args.model, "config": json.loads(
+            (source / "config.json").read_text()), "pack_command": {
+                "method": args.method, "precision": plan.rules, "rotate": args.rotate, "seed": args.seed,
+                "calibration": what, "windows": len(inputs), "window": args.window}}
+        if as_dir:      # the Hugging Face directory pack-safetensors writes (config, processor, card), atomically
+            from pipeline.hf_write import write_model_dir
 
-        name = args.model.rstrip("/").rpartition("/")[2]
-        with atomic_dir(out) as tmp:
-            summary = write_model_dir(tmp, CheckpointReader(source), fmt, states, teacher_dir=source,
-                                      method="direct-cast", base_model=args.model, teacher_name=name,
-                                      dtype=dtype_of(args.dtype), metadata={**metadata, "teacher": name})
-    else:
-        from pipeline.packed import write_packed
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        summary = write_packed(out, CheckpointReader(source), fmt, states, dtype=dtype_of(args.dtype),
-                               metadata=metadata)
-    print(f"{out}: {summary['file_bytes']} bytes, {summary['bits_per_param_nominal']:.3f} bits/param nominal, "
-          f"{summary['bits_per_param_actual']:.3f} actual (fit rel. RMSE {report['summary']['rel_rmse']:.4f})")
+            name = args.model.rstrip("/").rpartition("/")[2]
+            with atomic_dir(out) as tmp_out:
+                summary = write_model_dir(tmp_out, CheckpointReader(source), fmt, states, teacher_dir=source,
+                                          method="direct-cast", base_model=args.model, teacher_name=name,
+                                          dtype=dtype_of(args.dtype), metadata={**metadata, "teacher": name},
+                                          encode=encode, other=other)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            summary = write_packed(out, CheckpointReader(source), fmt, states, dtype=dtype_of(args.dtype),
+                                   metadata=metadata, encode=encode, other=other)
+    print(f"{out}: {summary['file_bytes']} bytes, {summary['bits_per_param_actual']:.3f} bits per quantised "
+          f"weight ({plan.describe()}), cast in {time.perf_counter() - began:.0f} s")
+    if args.eval_tokens:
+        _held_out_line(local_dir(args.model), out, tokenizer, args.eval_tokens, args.window)
     return 0
+
+
+def _calibration_text(path: str | None) -> tuple[str, str]:
+    """``(text, what)`` of ``s3d8 pack --calibration``: the user's file, or the prose corpus' calibration half."""
+    from pipeline.eval.text import CORPUS, corpus_text
+
+    if path is None:
+        return corpus_text("rest"), f"{CORPUS} (not its held-out half)"
+    if not Path(path).is_file():
+        raise ValueError(f"--calibration {path}: no such file")
+    try:
+        return Path(path).read_text(encoding="utf-8"), path
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--calibration {path}: not UTF-8 text ({e})") from None
+
+
+def _held_out_line(source: Path, out: Path, tokenizer, tokens: int, window: int) -> None:
+    """One line: the packed model against its source on held-out prose (KL, perplexity); a warning if it broke."""
+    import torch
+
+    from pipeline.eval.text import CORPUS, compare_on_windows, corpus_windows, hf_logits_fn
+    from pipeline.models import load_model
+    from pipeline.packed import load_packed_model
+
+    r = compare_on_windows(hf_logits_fn(load_model(str(source), torch.float32)),
+                           hf_logits_fn(load_packed_model(_packed_file(str(out)))),
+                           corpus_windows(tokenizer, tokens, window))
+    ratio = r["perplexity"] / r["teacher_perplexity"]
+    print(f"held-out {CORPUS}, {r['tokens']} tokens: KL {r['kl']:.4f}, perplexity {r['perplexity']:.2f} "
+          f"(source {r['teacher_perplexity']:.2f}, {ratio:.2f}x)")
+    if ratio > 2:
+        print(f"warning: the packed model's perplexity is {ratio:.1f}x the source's: this cast broke it (try "
+              f"--precision with more INT8, or QAT)", file=sys.stderr)
 
 
 def _check_pack_dir(out: Path, source: Path) -> None:
@@ -199,8 +276,23 @@ def build_parser() -> argparse.ArgumentParser:
                               "processor, generation config, model card)")
     p.add_argument("--format", default="s3d8", help="s3d8, int, student_t or lloyd_max (default s3d8)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the tensors that are not quantised")
-    p.add_argument("--seed", type=int, default=0, help="seed of the format's fit (S3D8: the k-means of its "
-                                                       "centroid tables; default 0)")
+    p.add_argument("--precision", default="embed_tokens$=int8",
+                   help="the precision plan: PATTERN=FORMAT rules, comma-separated, the first matching the weight "
+                        "name wins (formats: int8, s3d8, ..., bf16 keeps it); 'none' puts every matrix in --format "
+                        "(default: embed_tokens$=int8, the token embedding and a tied output head in INT8)")
+    p.add_argument("--method", default="gptq", choices=["gptq", "search", "absmax"],
+                   help="post-training method; gptq takes each matrix's X^T X from the partly cast model (default)")
+    p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: English prose every Python "
+                                         "has, pydoc_data's topics, the half perplexity is not measured on)")
+    p.add_argument("--calibration-windows", type=int, default=16, help="windows of calibration text (default 16)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--rotate", default="none", choices=["none", "orthogonal", "hadamard"],
+                   help="rotate a text Llama's residual stream first (exact; unties a tied output head: one more "
+                        "vocabulary-sized matrix); default none")
+    p.add_argument("--seed", type=int, default=0, help="seed of the rotation (default 0)")
+    p.add_argument("--eval-tokens", type=int, default=4096,
+                   help="held-out tokens to compare the packed model with its source on at the end (0: skip; "
+                        "default 4096)")
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("eval", help="score a packed model on evaluation tasks")

@@ -12,6 +12,10 @@ several processes (``python -m pipeline.launch``) run the per-matrix searches an
 do not depend on how many there were. Each finished file waits in ``checkpoints/direct-cast/<format>/`` (a
 directory every process must see: on several machines, a shared file system) until all are done; a killed run
 resumes from the files it finished.
+
+With ``calibrate.sequential`` (``pack.method: gptq``) one process casts the layers in the model's order instead
+(:func:`cast_in_order`): each matrix's ``X^T X`` comes from the model whose earlier matrices are already cast, so
+the layers cannot be dealt out; a killed run still resumes from the layers it finished.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline import ptq
+from pipeline import formats, ptq, sequential
 from pipeline.formats import FormatBase
+from pipeline.precision import Precision
 from pipeline.safetensors_io import write_tensors
 from pipeline.shards import file_sha256
 
@@ -55,18 +60,61 @@ def gptq_cost(shape) -> float:
     return float(d_out) * d_in * d_in
 
 
-def cast_group(fmt: FormatBase, names: list[str], weight, fitted, hessian, method: str, path: Path,
+def cast_one(plan: Precision, name: str, weight: torch.Tensor, method: str, hessian, fitted):
+    """``(packed tensors, master)`` of weight ``name`` in its planned format: ``method`` for the plan's comparison
+    format (from its ``fitted`` state), ``absmax`` for the others (INT8's only method)."""
+    fmt = plan.format_of(name)
+    if not fmt.comparison:
+        return ptq.cast(fmt, weight, method="absmax")
+    return ptq.cast(fmt, weight, method=method, hessian=hessian, fitted=fitted(name))
+
+
+def cast_group(plan: Precision, names: list[str], weight, fitted, hessian, method: str, path: Path,
                fingerprint: str, on_matrix=None) -> None:
     """Cast the weights ``names`` (checkpoint ``P`` of ``P.weight``) and write them to ``path``: ``weight(P)``,
     ``fitted(P)`` and ``hessian(P)`` give the teacher's weight, the fitted state and ``X^T X`` (or None)."""
     tensors = {}
     for name in names:
-        packed, master = ptq.cast(fmt, weight(name), method=method, hessian=hessian(name), fitted=fitted(name))
+        packed, master = cast_one(plan, name, weight(name), method, hessian(name), fitted)
         tensors.update({f"{name}.{k}": v.cpu().contiguous() for k, v in packed.items()})
         tensors[f"{name}.master"] = master.cpu().contiguous()
         if on_matrix is not None:
             on_matrix()
-    write_tensors(path, tensors, {"format": fmt.name, "method": method, "fingerprint": fingerprint})
+    write_tensors(path, tensors, {"format": plan.default.name, "method": method, "fingerprint": fingerprint})
+
+
+def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, method: str, staging: Path, fingerprint: str,
+                  on_matrix=None) -> None:
+    """The sequential cast (:mod:`pipeline.sequential`) of ``model`` (the teacher in float32, cast in place) over the
+    calibration ``inputs``, each decoder layer's file written to ``staging`` as soon as its weights are cast. A file
+    finished by an earlier run with the same ``fingerprint`` is read back instead of recast (its decoded weights
+    still feed the layers after it)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def cast(name: str, weight: torch.Tensor, hessian):
+        fmt = plan.format_of(name)
+        if fmt is None:                                        # kept unquantised
+            return weight
+        path = staging / f"{group_of(name)}.safetensors"
+        if finished(path, fingerprint):
+            with safe_open(str(path), "pt") as f:
+                tensors = {s: f.get_tensor(f"{name}.{s}") for s in fmt.suffixes}
+        else:
+            tensors, master = cast_one(plan, name, weight, method, hessian, fitted)
+            pending[name] = {**{f"{name}.{k}": v.cpu().contiguous() for k, v in tensors.items()},
+                             f"{name}.master": master.cpu().contiguous()}
+        if on_matrix is not None:
+            on_matrix()
+        return fmt.unpack(tensors, tuple(weight.shape)).to(weight.device)
+
+    def done(names: list[str]) -> None:
+        for g in sorted({group_of(n) for n in names}):
+            mine = [n for n in names if group_of(n) == g and n in pending]
+            if mine:
+                write_tensors(staging / f"{g}.safetensors", {k: v for n in mine for k, v in pending.pop(n).items()},
+                              {"format": plan.default.name, "method": method, "fingerprint": fingerprint})
+
+    sequential.cast_sequentially(model, inputs, cast, done)
 
 
 def finished(path: Path, fingerprint: str) -> bool:
@@ -80,9 +128,11 @@ def finished(path: Path, fingerprint: str) -> bool:
         return False
 
 
-def write_index(out: Path, fmt: FormatBase, method: str, groups: dict[str, list[str]], metadata: dict) -> None:
+def write_index(out: Path, plan: Precision, method: str, groups: dict[str, list[str]], metadata: dict) -> None:
     files = {g: f"{g}.safetensors" for g in groups}
-    doc = {"metadata": {"format": fmt.name, "method": method, **metadata,
+    names = [n for g in groups for n in groups[g]]
+    other = {"formats": plan.assigned(names)} if plan.assigned(names) else {}
+    doc = {"metadata": {"format": plan.default.name, "method": method, **other, **metadata,
                         "sha256": {files[g]: file_sha256(out / files[g]) for g in sorted(groups)}},
            "weight_map": {n: files[g] for g in sorted(groups) for n in groups[g]}}
     (out / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
@@ -105,6 +155,9 @@ class DirectCast:
             raise ValueError(f"{index}: cast by {meta['method']!r}, but parameter pack.method is {method!r} "
                              "(dvc repro direct-cast)")
         self.fmt, self.method, self.weight_map = fmt, meta["method"], doc["weight_map"]
+        self.formats = {n: formats.packed(f, f"{index}: metadata 'formats' entry {n!r}")
+                        for n, f in meta.get("formats", {}).items()}
+        """The weights cast to another format than ``fmt`` (the precision plan's)."""
 
     def _tensors(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self.weight_map:
@@ -128,4 +181,4 @@ class DirectCast:
         if master.shape != weight.shape:
             raise ValueError(f"{self.path / self.weight_map[name]}: {name} is {tuple(master.shape)}, "
                              f"the teacher's weight {tuple(weight.shape)}")
-        return master, self.fmt.state_of(tensors), tensors["scale"]
+        return master, self.formats.get(name, self.fmt).state_of(tensors), tensors["scale"]

@@ -49,9 +49,12 @@ from pipeline.hf_config import (BASE_MODEL_TYPES, INDEX_NAME, QUANT_FORMAT, guar
                                 saved_config)
 from pipeline.models import checkpoint_names
 from pipeline.packed import PACKED_VERSION, packed_format, plan_packed, read_metadata
+from pipeline.precision import file_formats
 from pipeline.packed_modules import DECODES, check_kernel, packed_layer
 from pipeline.recipe import replace
 from pipeline.safetensors_io import TORCH_DTYPES, tensor_specs
+
+_packed = formats.packed
 
 
 logger = logging.getLogger("transformers.quantizers.s3d8")
@@ -85,10 +88,11 @@ class PackedQuantConfig(QuantizationConfigMixin):
     def __init__(self, format: str = "s3d8", quant_method: str | None = None, layout: str | None = None,
                  version: str | None = None, bits_per_weight: float | None = None,
                  modules_to_not_convert: list[str] | None = None, kernel: str = "auto", decode: str = "lazy",
-                 act_quant: bool = True, format_version: str | None = None, **kwargs) -> None:
+                 act_quant: bool = True, format_version: str | None = None, formats: dict | None = None,
+                 **kwargs) -> None:
         if kwargs:
             raise ValueError(f"quantization_config: unknown field(s) {sorted(kwargs)}")
-        fmt = formats.packed(format, QUANT_FORMAT)
+        fmt = _packed(format, QUANT_FORMAT)          # the argument ``formats`` shadows the registry
         expected = hf_config.quant_method(fmt.name)    # the argument shadows the function
         if quant_method is not None and quant_method != expected:
             raise ValueError(f"quantization_config.quant_method is {quant_method!r} but its format {fmt.name!r} "
@@ -107,6 +111,10 @@ class PackedQuantConfig(QuantizationConfigMixin):
                                                    or not all(isinstance(m, str) for m in modules_to_not_convert)):
             raise ValueError(f"quantization_config.modules_to_not_convert is {modules_to_not_convert!r}, not a "
                              f"list of module names")
+        if formats is not None and (not isinstance(formats, dict) or not all(isinstance(k, str) for k in formats)):
+            raise ValueError(f"quantization_config.formats is {formats!r}, not a mapping {{weight: format}}")
+        for name, other in (formats or {}).items():
+            _packed(other, f"quantization_config.formats[{name!r}]")
         if kernel not in KERNELS:
             raise ValueError(f"quantization_config.kernel is {kernel!r}, not one of {list(KERNELS)}")
         if decode not in DECODES:
@@ -122,6 +130,7 @@ class PackedQuantConfig(QuantizationConfigMixin):
         self.kernel = kernel
         self.decode = decode
         self.act_quant = act_quant
+        self.formats = dict(formats) if formats else None
 
     def get_loading_attributes(self) -> dict:
         return {"kernel": self.kernel, "decode": self.decode, "act_quant": self.act_quant}
@@ -129,7 +138,7 @@ class PackedQuantConfig(QuantizationConfigMixin):
     def to_saved_dict(self) -> dict:
         """What ``config.json`` stores: the file's description, not this session's loading options."""
         return saved_config(self.format, self.layout, self.version, self.bits_per_weight,
-                            self.modules_to_not_convert)
+                            self.modules_to_not_convert, self.formats)
 
     def to_dict(self) -> dict:
         # transformers serialises the config (config.json, repr, hub metadata) through to_dict: no loading option
@@ -226,6 +235,10 @@ class PackedHfQuantizer(HfQuantizer):
             raise ValueError(f"{first}: metadata 'format' is {meta.get('format')!r}, but {config_json} "
                              f"quantization_config.format is {fmt.name!r}")
         packed_format(first, meta, fmt)
+        in_file = {k: f.name for k, f in file_formats(first, meta, fmt).items()}
+        if in_file != (cfg.formats or {}):
+            raise ValueError(f"{first}: metadata 'formats' ({len(in_file)} weights) differs from {config_json} "
+                             f"quantization_config.formats ({len(cfg.formats or {})})")
         with torch.device("cpu"):                  # the model is built under a meta-device context
             names = checkpoint_names(model)       # a tied lm_head gets its embedding's name, as the file has it
         plan = plan_packed(first, meta, model, names, fmt, header, where)
@@ -237,7 +250,7 @@ class PackedHfQuantizer(HfQuantizer):
                 replace(model, p.module_name, _PackedSlot(module, None, p.shape))
                 continue
             if p.saved.removesuffix(".weight") in not_converted:
-                raise ValueError(f"{where[p.parts[fmt.suffixes[0]]]}: {p.saved!r} is stored packed, but "
+                raise ValueError(f"{where[p.parts[p.fmt.suffixes[0]]]}: {p.saved!r} is stored packed, but "
                                  f"{config_json} quantization_config.modules_to_not_convert lists it")
             specs = {s: (TORCH_DTYPES[header[key][0]], header[key][1]) for s, key in p.parts.items()}
             replace(model, p.module_name, _PackedSlot(module, specs, p.shape))
@@ -251,17 +264,18 @@ class PackedHfQuantizer(HfQuantizer):
             raise ValueError(f"{first}: {len(missing)} tensors the model ({config_json}) needs are missing, "
                              f"e.g. {missing[:3]}")
         self.source = {"header": header, "metadata": meta, "names": names,
-                       "packed": {p.module_name: p.saved for p in plan}, "file": first}
+                       "packed": {p.module_name: p.saved for p in plan}, "file": first,
+                       "formats": {p.module_name: p.fmt for p in plan}}
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         cfg = self.quantization_config
-        fmt = formats.packed(cfg.format, QUANT_FORMAT)
         first = self.source.get("file", "the checkpoint")
+        fmt_of = self.source["formats"]
         slots = [(n, m) for n, m in model.named_modules() if isinstance(m, _PackedSlot)]
         loaded = {}                   # by checkpoint name: a tied module's slot holds none of its own
         for name, slot in slots:
-            tensors = {s: getattr(slot.weight, s, None) for s in fmt.suffixes}
+            tensors = {s: getattr(slot.weight, s, None) for s in fmt_of[name].suffixes}
             if all(t is not None and not t.is_meta for t in tensors.values()):
                 loaded[self.source["packed"][name]] = tensors
         for name, slot in slots:
@@ -269,7 +283,7 @@ class PackedHfQuantizer(HfQuantizer):
             if saved not in loaded:
                 raise RuntimeError(f"packed tensors of {name!r} were not loaded")
             bias = None if slot.bias is None else slot.bias.detach()
-            replace(model, name, packed_layer(first, saved, fmt, loaded[saved], slot.shape, bias, slot.padding_idx,
+            replace(model, name, packed_layer(first, saved, fmt_of[name], loaded[saved], slot.shape, bias, slot.padding_idx,
                                               linear=slot.linear, kernel=self.kernel, decode=cfg.decode,
                                               act_quant=cfg.act_quant, dtype=self.dtype))
         # transformers' save_pretrained would write the model's state dict under a "format: pt" header and

@@ -37,11 +37,14 @@ def quant_method(fmt: str) -> str:
 
 
 def saved_config(fmt: str, layout: str, version: str, bits_per_weight: float | None = None,
-                 modules_to_not_convert: list[str] | None = None) -> dict:
-    """``quantization_config`` as ``config.json`` stores it: the file's description, never loading options."""
+                 modules_to_not_convert: list[str] | None = None, formats: dict[str, str] | None = None) -> dict:
+    """``quantization_config`` as ``config.json`` stores it: the file's description, never loading options.
+    ``formats``: the precision plan's weights in another format than ``fmt`` (``{P.weight: format}``)."""
     saved = {"quant_method": quant_method(fmt), "format": fmt, "layout": layout, "version": version}
     if bits_per_weight is not None:
         saved["bits_per_weight"] = bits_per_weight
     if modules_to_not_convert is not None:
         saved["modules_to_not_convert"] = list(modules_to_not_convert)
+    if formats:
+        saved["formats"] = dict(sorted(formats.items()))
     return saved

@@ -89,9 +89,10 @@ def packed_config(config: dict, where, quantization: dict) -> dict:
 def write_model_dir(out: str | os.PathLike, source: CheckpointReader, fmt, states: dict[str, dict], *,
                     teacher_dir: str | os.PathLike, method: str, base_model: str, teacher_name: str,
                     dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None,
-                    max_shard_size: int = MAX_SHARD_SIZE, progress=None, encode=None) -> dict:
+                    max_shard_size: int = MAX_SHARD_SIZE, progress=None, encode=None, other=None) -> dict:
     """Write the Hugging Face directory of one packed model into ``out`` (an empty directory the caller
-    makes atomic). Returns :func:`write_packed`'s summary with ``file_bytes`` the weight files' total."""
+    makes atomic); ``other``: the precision plan's weights in another format (``write_packed``). Returns
+    :func:`write_packed`'s summary with ``file_bytes`` the weight files' total."""
     from transformers import AutoConfig, AutoProcessor, GenerationConfig
 
     out, teacher_dir = Path(out), Path(teacher_dir)
@@ -100,15 +101,15 @@ def write_model_dir(out: str | os.PathLike, source: CheckpointReader, fmt, state
     packed_config(config, teacher_dir / "config.json", {})
     out.mkdir(parents=True, exist_ok=True)
     summary = write_packed(out / WEIGHTS_NAME, source, fmt, states, dtype=dtype, metadata=metadata, progress=progress,
-                           encode=encode)
+                           encode=encode, other=other)
     files = shard(out, max_shard_size)
     summary["file_bytes"] = weight_bytes(out)
     summary["files"] = files
     unconverted = sorted(name.removesuffix(".weight") for name in source.keys()
                          if name.endswith(".weight") and len(source.shape(name)) == 2
                          and name.removesuffix(".weight") not in states)
-    quantization = saved_config(fmt.name, fmt.layout, PACKED_VERSION,
-                                summary["bits_per_param_nominal"], unconverted)
+    quantization = saved_config(fmt.name, fmt.layout, PACKED_VERSION, summary["bits_per_param_nominal"], unconverted,
+                                {f"{m}.weight": f.name for m, f in (other or {}).items()})
     config = packed_config(config, teacher_dir / "config.json", quantization)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     AutoProcessor.from_pretrained(str(teacher_dir)).save_pretrained(str(out))
@@ -170,7 +171,7 @@ def save_packed(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -
     fmt = formats.packed(cfg.format, QUANT_FORMAT)
     tensors: dict[str, torch.Tensor] = {}
     for module_name, saved in source["packed"].items():
-        parts = _packed_parts(model.get_submodule(module_name), fmt)
+        parts = _packed_parts(model.get_submodule(module_name), source["formats"].get(module_name, fmt))
         if parts is None:
             raise ValueError(f"save_pretrained: {module_name!r} holds its decoded weight, not the packed bytes "
                              f"(loaded with decode='eager'); re-quantising would change the model, so load it "

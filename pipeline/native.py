@@ -628,6 +628,11 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", _check_scale(scale, d_out))
         self.out_features, self.in_features = d_out, d_in
 
+    @property
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of the ``int8`` format's packed layout (what a packed file stores)."""
+        return {"int8": self.weight, "scale": self.scale}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if _plain_tokens(x, self.in_features) and _hot(b["weight"], torch.int8, b["scale"]):
@@ -651,3 +656,44 @@ class Bf16Linear(torch.nn.Module):
         if _plain_tokens(x, self.in_features) and _hot(w, torch.bfloat16, None):
             return _bf16(_variant_index(None), _threads(None), x, w)
         return bf16_matmul(x.float().contiguous(), w).to(x.dtype)
+
+
+# --- row embeddings: only the looked-up rows decoded ----------------------------------------------------------
+
+class S3D8RowEmbedding(torch.nn.Module):
+    """An S3D8 embedding that decodes only the looked-up rows from the packed bytes: the 3-row groups of
+    the unique ids are gathered and decoded by the native kernel as one small weight, then scaled.
+    Equal bit for bit to the rows of ``pipeline.formats.s3d8.decode`` (int8 value x bf16 scale in float32)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, shape,
+                 padding_idx: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = shape
+        self.register_buffer("packed", packed.reshape(packed_shape(*shape)))
+        self.register_buffer("scale", scale.reshape(-1))
+        self.register_buffer("table", table)
+        self.padding_idx, self.dtype = padding_idx, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n, d = self.num_embeddings, self.embedding_dim
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], {n} embeddings")
+        flat = ids.reshape(-1)
+        groups, inverse = torch.unique(flat // GROUP, return_inverse=True)
+        decoded = s3d8_decode_int8(self.packed[groups].contiguous(), self.table, (GROUP * groups.numel(), d))
+        rows = decoded[inverse * GROUP + flat % GROUP].float() * self.scale[flat].float()[:, None]
+        return rows.to(self.dtype).reshape(*ids.shape, d)
+
+
+class Int8RowEmbedding(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.reshape(-1))
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    def forward(self, ids):
+        flat = ids.reshape(-1)
+        rows = self.weight[flat].float() * self.scale[flat].float()[:, None]
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)

@@ -24,6 +24,7 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.formats import FormatBase
 from pipeline.models import checkpoint_names, meta_model
 from pipeline.packed_modules import DECODES, check_finite, check_kernel, packed_layer
+from pipeline.precision import file_formats
 from pipeline.recipe import quantised_modules, replace
 from pipeline.safetensors_io import DTYPES, StreamingWriter
 
@@ -33,13 +34,19 @@ PACKED_VERSION = "1"
 def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, states: dict[str, dict],
                  *, dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None,
                  progress: Callable[[str], None] | None = None,
-                 encode: Callable[[str, torch.Tensor, dict], dict[str, torch.Tensor]] | None = None) -> dict:
+                 encode: Callable[[str, torch.Tensor, dict], dict[str, torch.Tensor]] | None = None,
+                 other: dict[str, FormatBase] | None = None) -> dict:
     """Pack the checkpoint ``source``: weights named ``P.weight`` with an entry ``P`` in ``states``
-    are encoded in ``fmt`` (by ``encode(P, weight, state)``, default ``fmt.pack``: a post-training method such
-    as ``pipeline.ptq``'s scale search may choose other scales and tables, the layout is the same); every
-    other tensor is copied in ``dtype`` (if floating point). Streams one tensor at a time. Returns a
-    summary (sizes, bits per parameter)."""
-    encode = encode or (lambda _, weight, state: fmt.pack(weight, state))
+    are encoded in ``fmt``, or in ``other[P]`` (the precision plan's other formats: metadata ``formats``), by
+    ``encode(P, weight, state)`` (default the format's ``pack``: a post-training method such as ``pipeline.ptq``'s
+    scale search may choose other scales and tables, the layout is the same); every other tensor is copied in
+    ``dtype`` (if floating point). Streams one tensor at a time. Returns a summary (sizes, bits per parameter)."""
+    other = other or {}
+    unknown = sorted(set(other) - set(states))
+    if unknown:
+        raise ValueError(f"precision plan: {unknown[0]!r} is given a format but is not a quantised weight")
+    fmt_of = {module: other.get(module, fmt) for module in states}
+    encode = encode or (lambda name, weight, state: fmt_of[name].pack(weight, state))
     quantised = {f"{module}.weight": module for module in states}
     missing = sorted(name for name in quantised if name not in source)
     if missing:
@@ -51,7 +58,7 @@ def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, sta
             if len(shape) != 2:
                 raise ValueError(f"{source.path}: tensor {name!r} to quantise has shape {list(shape)}, not 2-D")
             shapes[name] = list(shape)
-            for suffix, (dt, sh) in fmt.packed_specs(shape, states[quantised[name]]).items():
+            for suffix, (dt, sh) in fmt_of[quantised[name]].packed_specs(shape, states[quantised[name]]).items():
                 specs.append((f"{name}.{suffix}", dt, sh))
         else:
             probe = source.get(name)
@@ -59,8 +66,8 @@ def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, sta
             specs.append((name, dt, shape))
     specs.sort(key=lambda s: s[0])
     n_quantised = sum(torch.Size(s).numel() for s in shapes.values())
-    nominal_bits = sum(fmt.bits_per_param(tuple(s)) * torch.Size(s).numel() for s in shapes.values())
-    storage = sum(fmt.storage_bytes(tuple(s)) for s in shapes.values())
+    nominal_bits = sum(fmt_of[quantised[n]].bits_per_param(tuple(s)) * torch.Size(s).numel() for n, s in shapes.items())
+    storage = sum(fmt_of[quantised[n]].storage_bytes(tuple(s)) for n, s in shapes.items())
     meta = {
         "format": fmt.name,
         "format_version": PACKED_VERSION,
@@ -69,13 +76,15 @@ def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, sta
         "bits_per_param_nominal": f"{nominal_bits / max(n_quantised, 1):.6f}",
         "bits_per_param_actual": f"{8 * storage / max(n_quantised, 1):.6f}",
     }
+    if other:
+        meta["formats"] = json.dumps({f"{m}.weight": f.name for m, f in sorted(other.items())}, sort_keys=True)
     meta.update(fmt.file_metadata())
     meta.update({k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in (metadata or {}).items()})
     cache: dict[str, dict[str, torch.Tensor]] = {}
     with StreamingWriter(out, specs, meta) as writer:
         for name, dt, _ in specs:
             base, _, suffix = name.rpartition(".")
-            if base in quantised and suffix in fmt.suffixes:
+            if base in quantised and suffix in fmt_of[quantised[base]].suffixes:
                 if base not in cache:
                     cache.clear()
                     if progress:
@@ -203,6 +212,7 @@ class PackedWeight:
     shape: tuple[int, int]      # the logical [d_out, d_in]
     bias: str | None            # checkpoint name of the bias (Linear with a bias)
     tied: bool                  # shares an earlier module's packed tensors (a tied lm_head): none of its own
+    fmt: FormatBase             # the weight's format (the file's, or the precision plan's other one)
 
 
 def packed_format(path, meta: dict[str, str], fmt: FormatBase | None = None) -> FormatBase:
@@ -232,11 +242,13 @@ def plan_packed(path, meta: dict[str, str], model: nn.Module, names: dict[str, s
     is ``tied``. Nothing is read."""
     where = where or {}
     shapes = _logical_shapes(path, meta)
+    others = file_formats(path, meta, fmt)
     plan: list[PackedWeight] = []
     seen: set[str] = set()
     for module_name, module in quantised_modules(model):
         saved = names[f"{module_name}.weight"]
-        parts = {s: f"{saved}.{s}" for s in fmt.suffixes}
+        wfmt = others.get(saved, fmt)
+        parts = {s: f"{saved}.{s}" for s in wfmt.suffixes}
         present = [k for k in parts.values() if k in header]
         if not present:
             continue                                           # stored unquantised
@@ -251,19 +263,19 @@ def plan_packed(path, meta: dict[str, str], model: nn.Module, names: dict[str, s
         if shape != expected:
             raise ValueError(f"{path}: metadata 'shapes' gives {saved!r} the logical shape {list(shape)}, the "
                              f"model expects {list(expected)}")
-        for suffix, (want_dtype, want_shape) in fmt.packed_specs(shape, {}).items():
+        for suffix, (want_dtype, want_shape) in wfmt.packed_specs(shape, {}).items():
             key = parts[suffix]
             got_dtype, got_shape = header[key]
             if got_dtype != DTYPES[want_dtype]:
                 raise ValueError(f"{where.get(key, path)}: tensor {key!r} has dtype {got_dtype}, format "
-                                 f"{fmt.name!r} stores it as {DTYPES[want_dtype]}")
+                                 f"{wfmt.name!r} stores it as {DTYPES[want_dtype]}")
             if tuple(got_shape) != tuple(want_shape):
                 raise ValueError(f"{where.get(key, path)}: tensor {key!r} has shape {list(got_shape)}, a weight "
                                  f"of logical shape {list(shape)} needs {list(want_shape)}")
         bias = names[f"{module_name}.bias"] if isinstance(module, nn.Linear) and module.bias is not None else None
-        plan.append(PackedWeight(module_name, saved, parts, shape, bias, tied=saved in seen))
+        plan.append(PackedWeight(module_name, saved, parts, shape, bias, tied=saved in seen, fmt=wfmt))
         seen.add(saved)
-    unknown = sorted(set(shapes) - seen)
+    unknown = sorted((set(shapes) | set(others)) - seen)
     if unknown:
         raise ValueError(f"{path}: metadata 'shapes' names {unknown[0]!r}, which the file does not hold packed")
     return plan
@@ -317,14 +329,13 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     ``kernel="torch"``: ``F.linear`` on fake-quantised activations (the QAT forward, bit for bit), with
     ``decode="eager"`` (weights decoded once at load, in ``dtype``) or ``decode="lazy"`` (modules keep the
     packed tensors and decode in each forward, embeddings only the rows looked up, a Linear above 64M
-    weights a block of rows at a time: same numbers, memory about the file's size). ``kernel="native"`` (S3D8 only): the native kernels on the packed bytes for
+    weights a block of rows at a time: same numbers, memory about the file's size). ``kernel="native"`` (S3D8, INT8): the native kernels on the packed bytes for
     linear layers; embeddings follow ``decode``."""
     if decode not in DECODES:
         raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODES)}")
     reader = CheckpointReader(path)
     meta = reader.metadata()
     fmt = packed_format(path, meta)
-    check_kernel(kernel, fmt, act_quant)
     keys = set(reader.keys())
     model = _model_on_meta(path, meta, config, dtype, len(keys))
     names = checkpoint_names(model)
@@ -333,6 +344,8 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
 
     # --- plan from the headers alone: nothing is read or allocated yet -----------------------------------
     plan = plan_packed(path, meta, model, names, fmt, {k: (reader.dtype_name(k), reader.shape(k)) for k in keys})
+    for f in {p.fmt.name: p.fmt for p in plan}.values() or [fmt]:
+        check_kernel(kernel, f, act_quant)
     used = {k for p in plan for k in p.parts.values()}              # checkpoint tensors packed modules consume
     covered = {f"{p.module_name}.weight" for p in plan}             # model state names those modules provide
     plain = _plan_plain(path, reader, sorted(keys - used), to_module, targets)
@@ -354,7 +367,7 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
             check_finite(path, p.bias, bias.float())
             bias = bias.to(dtype)
         module = model.get_submodule(p.module_name)
-        replace(model, p.module_name, packed_layer(path, p.saved, fmt, tensors, p.shape, bias,
+        replace(model, p.module_name, packed_layer(path, p.saved, p.fmt, tensors, p.shape, bias,
                                                    getattr(module, "padding_idx", None),
                                                    linear=isinstance(module, nn.Linear), kernel=kernel,
                                                    decode=decode, act_quant=act_quant, dtype=dtype))

@@ -40,6 +40,7 @@ from typing import Literal, get_args
 import torch
 
 from pipeline.formats.base import FormatBase, State, check_weight
+from pipeline.precision import check_rules
 
 Method = Literal["absmax", "search", "gptq"]
 METHODS = get_args(Method)
@@ -50,6 +51,10 @@ class PackParams:
     """The ``pack`` section of ``params.yaml``: read by direct-cast, qat-train (the method) and pack-safetensors."""
     dtype: str      # of the tensors that are not quantised
     method: Method  # the direct cast's post-training method
+    precision: dict[str, str]   # the precision plan: {regex on the weight name: format} (pipeline.precision)
+
+    def __post_init__(self) -> None:
+        check_rules(self.precision)
 
 
 # --- argument checks ------------------------------------------------------------------------------

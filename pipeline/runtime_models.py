@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline import decode_step, safetensors_io
-from pipeline.layout import GROUP, packed_shape
+from pipeline import decode_step, formats, safetensors_io
+from pipeline.precision import file_formats
 from pipeline.safetensors_io import TORCH_DTYPES
 
 
@@ -96,46 +96,6 @@ def model_kind(path: str | Path) -> tuple[str, str]:
 
 # --- native layers -------------------------------------------------------------------------------------------
 
-class S3D8RowEmbedding(nn.Module):
-    """An S3D8 embedding that decodes only the looked-up rows from the packed bytes: the 3-row groups of
-    the unique ids are gathered and decoded by the native kernel as one small weight, then scaled.
-    Equal bit for bit to the rows of ``pipeline.formats.s3d8.decode`` (int8 value x bf16 scale in float32)."""
-
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, shape,
-                 padding_idx: int | None = None, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = shape
-        self.register_buffer("packed", packed.reshape(packed_shape(*shape)))
-        self.register_buffer("scale", scale.reshape(-1))
-        self.register_buffer("table", table)
-        self.padding_idx, self.dtype = padding_idx, dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from pipeline import native
-        n, d = self.num_embeddings, self.embedding_dim
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
-            raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], {n} embeddings")
-        flat = ids.reshape(-1)
-        groups, inverse = torch.unique(flat // GROUP, return_inverse=True)
-        decoded = native.s3d8_decode_int8(self.packed[groups].contiguous(), self.table, (GROUP * groups.numel(), d))
-        rows = decoded[inverse * GROUP + flat % GROUP].float() * self.scale[flat].float()[:, None]
-        return rows.to(self.dtype).reshape(*ids.shape, d)
-
-
-class Int8RowEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.register_buffer("scale", scale.reshape(-1))
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.dtype = dtype
-
-    def forward(self, ids):
-        flat = ids.reshape(-1)
-        rows = self.weight[flat].float() * self.scale[flat].float()[:, None]
-        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
-
-
 class Bf16RowEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -147,29 +107,28 @@ class Bf16RowEmbedding(nn.Module):
         return self.weight[ids].to(self.dtype)
 
 
-def _llama_modules(meta: dict, tensors: dict[str, torch.Tensor]):
-    """``(config dict, format, linear(name) -> module, embedding module)`` of a synthetic Llama file."""
+def _llama_modules(path, meta: dict, tensors: dict[str, torch.Tensor]):
+    """``(config dict, format, linear(name) -> module, embedding module)`` of a packed Llama file: each weight on its
+    format's native module (the precision plan's formats: metadata ``formats``), a weight stored plain in bf16."""
     from pipeline import native
 
-    cfg, fmt = json.loads(meta["config"]), meta["format"]
+    cfg, main = json.loads(meta["config"]), formats.get(meta.get("format"))
     shapes = {k: tuple(v) for k, v in json.loads(meta["shapes"]).items()}
+    others = file_formats(path, meta, main)
+
+    def parts(name: str):
+        fmt = others.get(name, main) if name in shapes else None
+        fmt = fmt if fmt is not None and fmt.layout is not None else None          # bf16: stored as it is
+        return fmt, None if fmt is None else {s: tensors[f"{name}.{s}"] for s in fmt.suffixes}
 
     def linear(name: str) -> nn.Module:
-        if fmt == "s3d8":
-            return native.S3D8Linear(tensors[f"{name}.packed"], tensors[f"{name}.scale"], tensors[f"{name}.table"],
-                                     shapes[name])
-        if fmt == "int8":
-            return native.Int8Linear(tensors[f"{name}.int8"], tensors[f"{name}.scale"])
-        return native.Bf16Linear(tensors[name])
+        fmt, t = parts(name)
+        return native.Bf16Linear(tensors[name]) if fmt is None else fmt.native_linear(t, shapes[name], None)
 
     e = "model.embed_tokens.weight"
-    if fmt == "s3d8":
-        embed = S3D8RowEmbedding(tensors[f"{e}.packed"], tensors[f"{e}.scale"], tensors[f"{e}.table"], shapes[e])
-    elif fmt == "int8":
-        embed = Int8RowEmbedding(tensors[f"{e}.int8"], tensors[f"{e}.scale"])
-    else:
-        embed = Bf16RowEmbedding(tensors[e])
-    return cfg, fmt, linear, embed
+    fmt, t = parts(e)
+    embed = Bf16RowEmbedding(tensors[e]) if fmt is None else fmt.row_embedding(t, shapes[e])
+    return cfg, main.name, linear, embed
 
 
 def _rotary(cfg: dict):
@@ -208,7 +167,7 @@ class LeanLlama:
 
     def __init__(self, path: str | Path, max_len: int | None = None) -> None:
         meta, tensors = read_tensors(path)
-        cfg, self.format, linear, self.embed = _llama_modules(meta, tensors)
+        cfg, self.format, linear, self.embed = _llama_modules(path, meta, tensors)
         self.config = cfg
         self.n_layers, self.nh, self.nkv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.hd = cfg.get("head_dim") or cfg["hidden_size"] // self.nh
@@ -315,7 +274,7 @@ def hf_llama(path: str | Path):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     meta, tensors = read_tensors(path)
-    cfg, fmt, linear, embed = _llama_modules(meta, tensors)
+    cfg, fmt, linear, embed = _llama_modules(path, meta, tensors)
     config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -348,8 +307,7 @@ def hf_mllama(path: str | Path):
     for name, module in list(model.named_modules()):
         if isinstance(module, LazyPackedEmbedding):
             t = module.packed_tensors
-            new = S3D8RowEmbedding(t["packed"], t["scale"], t["table"], module.shape, module.padding_idx,
-                                   module.weight_dtype)
+            new = module.format.row_embedding(t, module.shape, module.padding_idx, module.weight_dtype)
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
     model.weight_bytes = Path(path).stat().st_size

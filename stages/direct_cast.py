@@ -3,7 +3,8 @@
     python -m pipeline.launch stages/direct_cast.py --format s3d8    # launch.num_processes processes share it
 
 Starts from fit-centroids' fitted state of each weight (``data/centroids/<format>.safetensors``); ``gptq`` reads
-the calibrate stage's ``X^T X``. Writes ``models/direct-cast/<format>/`` (``pipeline/direct_cast.py``): the packed
+the calibrate stage's ``X^T X``, or with ``calibrate.sequential`` runs the teacher over the calibration text itself and
+casts the layers in order (``pipeline.sequential``). Writes ``models/direct-cast/<format>/`` (``pipeline/direct_cast.py``): the packed
 tensors pack-safetensors writes and the float32 start of QAT, one file per decoder layer, the layers dealt to the
 processes, each on its GPU where it has one (else the CPU; the index records which: GPU arithmetic can round a
 few codes differently). A killed run resumes from the layers it finished (``checkpoints/direct-cast/<format>/``).
@@ -18,40 +19,47 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+
 from pipeline import direct_cast, formats, params
-from pipeline.calibrate import CALIBRATION, Calibration
+from pipeline.calibrate import CALIBRATION, Calibration, calibration_fingerprint, calibration_inputs
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import check_states
 from pipeline.formats.base import check_weight
 from pipeline.io import atomic_dir
 from pipeline.launch import run_stage
-from pipeline.models import load_config, meta_model, quantised_weight_names
-from pipeline.ptq import PackParams
+from pipeline.precision import Precision
+from pipeline.models import load_config, load_model, load_processor, meta_model, quantised_weight_names, token_ids
+from pipeline.qat.data import model_inputs
 from pipeline.qat.distributed import device
 from pipeline.shards import file_hash, fingerprint
 from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
-from pipeline.teacher import TeacherParams, local_dir
+from pipeline.teacher import local_dir
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", required=True, help=f"one of {', '.join(formats.QUANTISED)}")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--teacher-data", default="data/teacher", help="the teacher's answers (calibrate.source "
+                        "teacher-answers, calibrate.sequential)")
     args = parser.parse_args(argv)
     with stage_errors("direct-cast"):
         fmt = formats.comparison(args.format, "--format")
-        method = params.load(PackParams, "pack", args.params).method
-        teacher = params.load(TeacherParams, "teacher", args.params)
+        doc = params.read(args.params)
+        method, teacher, cal = doc["pack"].method, doc["teacher"], doc["calibrate"]
         state_file = Path(f"data/centroids/{fmt.name}.safetensors")
         states = check_states(fmt, fmt.load_states(state_file), state_file)
-        if method == "gptq" and not Path(CALIBRATION).exists():
+        if method == "gptq" and not cal.sequential and not Path(CALIBRATION).exists():
             raise ValueError(f"parameter pack.method=gptq needs {CALIBRATION} (stage calibrate)")
-        calibration = Calibration(CALIBRATION if method == "gptq" else None)
+        calibration = Calibration(CALIBRATION if method == "gptq" and not cal.sequential else None)
         root = local_dir(teacher.dir)
         reader = CheckpointReader(root)
-        names = list(dict.fromkeys(n.removesuffix(".weight")
-                                   for n in quantised_weight_names(meta_model(load_config(str(root)))).values()))
-        missing = [n for n in names if n not in states]
+        plan = Precision(fmt, doc["pack"].precision)
+        names = [n for n in dict.fromkeys(n.removesuffix(".weight")
+                                          for n in quantised_weight_names(meta_model(load_config(str(root)))).values())
+                 if plan.format_of(n) is not None]
+        missing = [n for n in names if n not in states and plan.format_of(n) is fmt]
         if missing:
             raise ValueError(f"{state_file}: no fitted state for {missing[:3]} (fitted to another teacher? "
                              "dvc repro fit-centroids)")
@@ -65,11 +73,13 @@ def main(argv: list[str] | None = None) -> None:
         # takes its share of the machine's cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         set_threads(max(1, len(os.sched_getaffinity(0)) // local))
-        fp = fingerprint(fmt.name, method, file_hash(state_file), file_hash(root / "config.json"),
-                         file_hash(CALIBRATION) if calibration.path else None)
+        in_order = method == "gptq" and cal.sequential
+        fp = fingerprint(fmt.name, method, plan.rules, file_hash(state_file), file_hash(root / "config.json"),
+                         file_hash(CALIBRATION) if calibration.path else None,
+                         calibration_fingerprint(cal, args.teacher_data) if in_order else None)
         staging = Path(f"checkpoints/direct-cast/{fmt.name}")
         staging.mkdir(parents=True, exist_ok=True)
-        mine = direct_cast.deal(costs, world)[rank]
+        mine = (list(groups) if rank == 0 else []) if in_order else direct_cast.deal(costs, world)[rank]
         todo = [g for g in mine if not direct_cast.finished(staging / f"{g}.safetensors", fp)]
         if rank == 0 and len(todo) < len(mine):
             console.print(f"direct-cast {fmt.name}: resuming, {len(mine) - len(todo)} of {len(mine)} files done")
@@ -92,8 +102,17 @@ def main(argv: list[str] | None = None) -> None:
         with progress() as bar:
             task = bar.add_task(f"direct-cast {fmt.name} ({method})" + (f" rank {rank}" if world > 1 else ""),
                                 total=sum(len(groups[g]) for g in todo))
-            for g in todo:
-                direct_cast.cast_group(fmt, groups[g], weight, fitted, hessian, method,
+            if in_order and todo:
+                model = load_model(teacher.dir, torch.float32).to(on)
+                inputs = [model_inputs(e, model.dtype, on)
+                          for e in calibration_inputs(cal, load_processor(teacher.dir), args.teacher_data,
+                                                      doc["heldout_prompts"], token_ids(model.config),
+                                                      doc["sample"].images)]
+                bar.update(task, total=len(names))
+                direct_cast.cast_in_order(plan, model, inputs, fitted, method, staging, fp,
+                                          on_matrix=lambda: bar.advance(task))
+            for g in [] if in_order else todo:
+                direct_cast.cast_group(plan, groups[g], weight, fitted, hessian, method,
                                        staging / f"{g}.safetensors", fp, on_matrix=lambda: bar.advance(task))
         if world > 1:
             _wait_for_all()
@@ -102,11 +121,11 @@ def main(argv: list[str] | None = None) -> None:
             with atomic_dir(out_dir) as out:
                 for g in groups:
                     os.replace(staging / f"{g}.safetensors", out / f"{g}.safetensors")
-                direct_cast.write_index(out, fmt, method, groups,
+                direct_cast.write_index(out, plan, method, groups,
                                         {"fit_state": file_hash(state_file), "device": on.type, **versions()})
             shutil.rmtree(staging, ignore_errors=True)
             run_log(f"direct-cast-{fmt.name}", seconds=round(time.perf_counter() - began, 1), processes=world)
-            console.print(f"[green]direct-cast[/] {fmt.name} ({method}): {len(names)} matrices in {len(groups)} "
+            console.print(f"[green]direct-cast[/] {plan.describe()} ({method}): {len(names)} matrices in {len(groups)} "
                           f"files -> {out_dir}")
 
 

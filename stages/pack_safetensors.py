@@ -28,6 +28,7 @@ from pipeline.formats.base import check_weight
 from pipeline.hf_write import write_model_dir
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
+from pipeline.precision import Precision
 from pipeline.ptq import PackParams
 from pipeline.qat.engines import QAT_STATE
 from pipeline.stage import console, progress, stage_errors, versions
@@ -47,8 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(teacher.dir).to_dict()
         teacher_dir = local_dir(teacher.dir)
         cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, p.method)
+        plan = Precision(fmt, p.precision)
+        states = {n: st for n, st in states.items() if plan.format_of(n) is not None}   # bf16: kept as it is
+        other = {n: f for n in states if (f := plan.format_of(n)) is not fmt}
         report = {}
-        trained = qat_state(f"models/qat/{fmt.name}", fmt)
+        trained = qat_state(f"models/qat/{fmt.name}", plan)
         with atomic_dir(f"models/packed/{fmt.name}") as out:
             for method, source in (("direct-cast", teacher_dir), ("qat", f"models/qat/{fmt.name}")):
                 with progress() as bar:
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                                               metadata={"config": config, "method": method,
                                                         "source_model": teacher.source, "teacher": teacher.name,
                                                         "pack_params": asdict(p), **versions()},
-                                              progress=lambda name: bar.advance(task))
+                                              progress=lambda name: bar.advance(task), other=other)
                 report[method] = {"size_mb": summary["file_bytes"] / 1e6,
                                   **{k: v for k, v in summary.items() if k not in ("format", "files")}}
                 console.print(f"[green]pack-safetensors[/] {fmt.name} {method}: {report[method]['size_mb']:.2f} MB, "
@@ -85,9 +89,11 @@ def checked(encode, reader: CheckpointReader):
     return encode_checked
 
 
-def qat_state(student_dir: str, fmt):
+def qat_state(student_dir: str, plan: Precision):
     """The encoder of the QAT student: the quantiser state (``P.table`` / ``P.codepoints``) and learned scales
-    (``P.scale``) of its ``qat_state.safetensors``; absmax scales where none were learned."""
+    (``P.scale``) of its ``qat_state.safetensors``; absmax scales where none were learned. Each weight in the
+    precision plan's format."""
+    fmt = plan.default
     path = Path(student_dir) / QAT_STATE
     if not path.exists():
         raise ValueError(f"{path}: missing (a student trained before learned scales existed? re-run qat-train)")
@@ -98,9 +104,10 @@ def qat_state(student_dir: str, fmt):
         raise ValueError(f"{path}: written for format {trained_format!r}, not {fmt.name!r}")
 
     def encode(name, weight, state):
-        state = {k: saved.get(f"{name}.{k}", v) for k, v in state.items()}
+        f = plan.format_of(name)
+        state = {k: saved.get(f"{name}.{k}", v) for k, v in state.items()} if f is fmt else {}
         scale = saved.get(f"{name}.scale")
-        return fmt.pack(weight, state) if scale is None else fmt.pack_at_scale(weight, state, scale)
+        return f.pack(weight, state) if scale is None else f.pack_at_scale(weight, state, scale)
 
     return encode
 

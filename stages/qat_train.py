@@ -23,6 +23,7 @@ from pipeline.fit import check_states
 from pipeline.io import write_json
 from pipeline.launch import run_stage
 from pipeline.models import load_config, token_ids
+from pipeline.precision import Precision
 from pipeline.ptq import PackParams
 from pipeline.qat.data import load_examples, split_heldout
 from pipeline.qat.train import QATParams, train
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         train_set, _ = split_heldout(load_examples(args.teacher_data, vocab), heldout)
         # qat.init ptq starts from stage direct-cast's cast by pack.method; the table refit weighs input channels
         # by the calibration's diagonal when there is one
-        method = params.load(PackParams, "pack", args.params).method
+        pack = params.load(PackParams, "pack", args.params)
+        method, plan = pack.method, Precision(fmt, pack.precision)
         cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, method) if p.init == "ptq" else None
         calibration = Calibration(CALIBRATION if p.refit_table and Path(CALIBRATION).exists() else None)
 
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             return None if h is None else h.diagonal().contiguous()
 
         # the thread count stays in: it sets the reduction order, so a checkpoint resumes on the count it was made on
-        fp = fingerprint(asdict(p) | {"checkpoint_every": None}, fmt.name, file_hash(state_file),
+        fp = fingerprint(asdict(p) | {"checkpoint_every": None}, fmt.name, plan.rules or None, file_hash(state_file),
                          [file_hash(s) for s in shard_paths(args.teacher_data)], heldout,
                          file_hash(local_dir(teacher.dir) / "config.json"),
                          file_hash(cast.path / INDEX) if cast is not None else None)
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = train(fmt, states, teacher.dir, teacher.dtype, train_set, p,
                         out_dir=f"models/qat/{fmt.name}", checkpoint=f"checkpoints/qat/{fmt.name}.safetensors",
                         live_dir=f"reports/qat/{fmt.name}", fingerprint=fp, start=cast.start if cast else None,
-                        importance=importance)
+                        importance=importance, plan=plan)
         if summary:
             write_json(f"reports/qat/{fmt.name}/summary.json", summary)
             run_log(f"qat-train-{fmt.name}", seconds=round(time.perf_counter() - began, 1), steps=p.steps)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline import formats, runtime, runtime_models
+from pipeline import formats, native, runtime, runtime_models
 from pipeline.checkpoint import CheckpointReader
 from pipeline.formats import s3d8 as s3d8_format
 from pipeline.synthetic import llama_config, write_gguf, write_synthetic
@@ -112,7 +112,7 @@ def test_row_embedding_decodes_only_what_it_needs_and_equals_decode():
     w = torch.randn(301, 40, generator=gen)
     table = s3d8_format.fit_centroids(w, seed=0, max_vectors=4096)
     packed, scale = s3d8_format.encode(w, table)
-    emb = runtime_models.S3D8RowEmbedding(packed, scale, table, (301, 40))
+    emb = native.S3D8RowEmbedding(packed, scale, table, (301, 40))
     full = s3d8_format.decode(packed, scale, table, (301, 40))
     ids = torch.tensor([[300, 0, 5, 5, 299], [1, 2, 3, 150, 151]])
     assert torch.equal(emb(ids), full[ids])

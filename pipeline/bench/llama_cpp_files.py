@@ -199,7 +199,7 @@ def census(path: str | Path) -> dict:
     reader = GGUFReader(str(path))
     types: dict[str, dict] = {}
     roles: dict[str, Counter] = {}
-    wbytes = weights = 0
+    wbytes = weights = lbytes = lweights = 0
     for t in reader.tensors:
         kind = t.tensor_type.name
         entry = types.setdefault(kind, {"count": 0, "bytes": 0, "weights": 0})
@@ -211,11 +211,15 @@ def census(path: str | Path) -> dict:
         if len(t.shape) >= 2 and min(int(d) for d in t.shape) > 1:
             wbytes += int(t.n_bytes)
             weights += int(t.n_elements)
+            if t.name.startswith("blk."):                  # a decoder layer's matrix
+                lbytes += int(t.n_bytes)
+                lweights += int(t.n_elements)
     size = Path(path).stat().st_size
     return {"types": dict(sorted(types.items())),
             "roles": {r: dict(sorted(c.items())) for r, c in sorted(roles.items())},
             "weight_bytes": wbytes, "weights": weights, "file_bytes": size,
             "bits_per_weight": 8 * wbytes / weights if weights else None,
+            "bits_per_weight_linears": 8 * lbytes / lweights if lweights else None,
             "file_bits_per_weight": 8 * size / weights if weights else None}
 
 
@@ -246,11 +250,18 @@ def packed_census(path: str | Path) -> dict:
         if name.endswith(".weight") and len(e["shape"]) == 2 and name not in shapes:
             shapes[name] = e["shape"]
     nbytes = {name: e["data_offsets"][1] - e["data_offsets"][0] for name, e in header.items()}
-    wbytes = sum(b for name, b in nbytes.items() if any(name == w or name.startswith(w + ".") for w in shapes))
-    weights = sum(math.prod(s) for s in shapes.values())
+
+    def count(chosen: dict) -> tuple[int, int]:
+        held = sum(b for name, b in nbytes.items() if any(name == w or name.startswith(w + ".") for w in chosen))
+        return held, sum(math.prod(s) for s in chosen.values())
+
+    wbytes, weights = count(shapes)
+    lbytes, lweights = count({w: s for w, s in shapes.items() if re.search(r"\.layers\.\d+\.", w)})
     size = Path(path).stat().st_size
     return {"weight_bytes": wbytes, "weights": weights, "file_bytes": size,
             "bits_per_weight": 8 * wbytes / weights if weights else None,
+            "bits_per_weight_linears": 8 * lbytes / lweights if lweights else None,
+            "precision": json.loads(meta.get("formats", "{}")),
             "file_bits_per_weight": 8 * size / weights if weights else None,
             "bits_per_param_actual": float(meta["bits_per_param_actual"]) if "bits_per_param_actual" in meta else None}
 

@@ -226,8 +226,8 @@ def packed_models(root: str | Path, teacher_config) -> tuple[list[dict], list[st
                          f"hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')})")
             continue
         fmt, method = meta.get("format", path.parent.parent.name), path.parent.name
-        found.append({"name": f"ours {fmt} {method}", "impl": "ours", "format": fmt, "method": method,
-                      "path": str(path)})
+        found.append({"name": f"ours {path.parent.parent.name} {method}", "impl": "ours", "format": fmt,
+                      "method": method, "path": str(path)})
     return found, notes
 
 
@@ -289,6 +289,8 @@ def measure_model(m: dict, args, threads: list[int], reference: str, n_ctx: int)
                            "new_tokens": args.new_tokens, "extra_bufts": extra.get("llama_cpp_extra_bufts", True)})
         row = {"name": m["name"], "impl": m["impl"], "format": m["format"], "method": m["method"],
                "bits_per_weight": size["bits_per_weight"], "file_bytes": size["file_bytes"],
+               "bits_per_weight_linears": size["bits_per_weight_linears"], "precision": size.get("precision"),
+               "rotate": m.get("rotate", "none"),
                "kl": scores.get("kl"), "top1_agreement": scores.get("top1_agreement"),
                "perplexity": scores.get("perplexity"),
                "prefill_tokens_per_s": speed.get("prefill_tokens_per_s"),

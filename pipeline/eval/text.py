@@ -142,3 +142,19 @@ class TextReference:
         return {"kl": kl / tokens, "top1_agreement": agree / tokens,
                 "perplexity": math.exp(nll / predicted) if predicted else float("nan"),
                 "kl_tokens": int(tokens), "perplexity_tokens": int(predicted)}
+
+
+def compare_on_windows(teacher: LogitsFn, student: LogitsFn, windows: list[list[int]]) -> dict:
+    """``{"kl", "perplexity", "teacher_perplexity", "tokens"}`` of ``student`` against ``teacher`` on text windows:
+    KL(teacher || student) per predicted token and both perplexities, over every position that predicts a token."""
+    kl = nll_s = nll_t = 0.0
+    n = 0
+    for ids in windows:
+        target = torch.tensor(ids[1:])[:, None]
+        t_logp = torch.log_softmax(teacher(ids)[:-1].float(), -1)
+        s_logp = torch.log_softmax(student(ids)[:-1].float(), -1)
+        kl += (t_logp.exp() * (t_logp - s_logp)).sum().item()
+        nll_t -= t_logp.gather(1, target).sum().item()
+        nll_s -= s_logp.gather(1, target).sum().item()
+        n += len(ids) - 1
+    return {"kl": kl / n, "perplexity": math.exp(nll_s / n), "teacher_perplexity": math.exp(nll_t / n), "tokens": n}

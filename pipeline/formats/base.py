@@ -104,6 +104,15 @@ class FormatBase:
         layout cannot be sliced by rows (the caller then decodes the whole weight)."""
         return None
 
+    def native_linear(self, tensors: dict[str, torch.Tensor], shape, bias: torch.Tensor | None):
+        """An ``nn.Module`` running the packed ``tensors`` on the native kernels (INT8 activations per token)."""
+        raise ValueError(f"format {self.name!r} has no native kernel")
+
+    def row_embedding(self, tensors: dict[str, torch.Tensor], shape, padding_idx: int | None = None,
+                      dtype: torch.dtype = torch.float32):
+        """An embedding over the packed ``tensors`` that decodes only the rows it looks up (the native runtime's)."""
+        raise ValueError(f"format {self.name!r} has no row embedding")
+
     def file_metadata(self) -> dict[str, str]:
         """Extra metadata a packed file of this format carries (e.g. an interoperability marker)."""
         return {}

@@ -634,3 +634,10 @@ class S3D8(FormatBase):
         from pipeline import native
 
         return native.S3D8Linear(tensors["packed"], tensors["scale"], tensors["table"], shape, bias)
+
+    def row_embedding(self, tensors: dict[str, torch.Tensor], shape, padding_idx: int | None = None,
+                      dtype: torch.dtype = torch.float32):
+        from pipeline import native
+
+        return native.S3D8RowEmbedding(tensors["packed"], tensors["scale"], tensors["table"], shape, padding_idx,
+                                       dtype)

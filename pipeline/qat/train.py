@@ -31,8 +31,9 @@ from pipeline.qat.api import prepare
 from pipeline.qat.data import Example, batch_indices, collate, model_inputs
 from pipeline.qat.loss import kl_sum
 from pipeline.qat.engines import AccelerateEngine, FSDP2Engine
+from pipeline.precision import Precision
 from pipeline.qat.modules import learned_scale
-from pipeline.recipe import quantised_modules
+from pipeline.recipe import Quantised, quantised_modules
 from pipeline.stage import console, progress
 
 
@@ -72,8 +73,11 @@ def cosine(lr: float, step: int, steps: int) -> float:
 
 
 def average_bits(model, fmt: FormatBase) -> float:
-    sizes = [(tuple(m.weight.shape), m.weight.numel()) for _, m in quantised_modules(model)]
-    return sum(fmt.bits_per_param(s) * n for s, n in sizes) / sum(n for _, n in sizes)
+    """Bits per parameter of the quantised modules, each in its own format (``fmt`` where a module has none yet; 16
+    for one the precision plan keeps unquantised)."""
+    sizes = [(getattr(m, "format", fmt if isinstance(m, Quantised) else None), tuple(m.weight.shape), m.weight.numel())
+             for _, m in quantised_modules(model)]
+    return sum((16.0 if f is None else f.bits_per_param(s)) * n for f, s, n in sizes) / sum(n for *_, n in sizes)
 
 
 def check(p: QATParams, examples: list[Example], processes: int) -> int:
@@ -100,12 +104,14 @@ def check(p: QATParams, examples: list[Example], processes: int) -> int:
 def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str, examples: list[Example],
           p: QATParams, out_dir: str | Path, checkpoint: str | Path, live_dir: str | Path, fingerprint: str,
           launch: LaunchParams | None = None, start: Start | None = None,
-          importance: Callable[[str], torch.Tensor | None] | None = None) -> dict:
+          importance: Callable[[str], torch.Tensor | None] | None = None, plan: Precision | None = None) -> dict:
     """Train and save the student. ``launch``: the launch settings (default: those ``pipeline.launch`` handed
     over, else the ``launch`` section of ``params.yaml``): ``strategy`` ddp runs under ``accelerate`` (DDP
     when several processes), fsdp2 shards the student (``pipeline.qat.distributed``). ``start`` (needed for
     ``qat.init: ptq``) gives each weight's post-training point; ``importance(P)`` the per-input-channel
-    weights of the table refit (None: unweighted)."""
+    weights of the table refit (None: unweighted). ``plan``: the precision plan (each weight's format; default all
+    in ``fmt``)."""
+    plan = plan or Precision(fmt)
     if p.init == "ptq" and start is None:
         raise ValueError("parameter qat.init=ptq: no post-training start was given")
     from dvclive import Live
@@ -121,7 +127,7 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     teacher = engine.teacher(teacher_source, dtype_of(teacher_dtype))
     teacher.requires_grad_(False)
     names: dict[str, str] = {}
-    student = engine.student(teacher_source, lambda model: _quantise(model, fmt, states, p, start, names), launch)
+    student = engine.student(teacher_source, lambda model: _quantise(model, plan, states, p, start, names), launch)
     bits = average_bits(student, fmt)
     lr = p.lr if p.lr is not None else p.lr_scale * recipe_lr(bits)
     scale_lr = p.scale_lr
@@ -256,15 +262,17 @@ def teacher_logits(teacher, examples: list[Example], processor, max_seq_len: int
     return out
 
 
-def _quantise(model, fmt: FormatBase, states: dict, p: QATParams, start: Start | None, names: dict) -> None:
+def _quantise(model, plan: Precision, states: dict, p: QATParams, start: Start | None, names: dict) -> None:
     """Swap the quantised modules of ``model`` for fake-quantised ones (``prepare``): from the teacher's weights
     with the fitted states, or (``qat.init: ptq``) from the post-training point, whose weights, tables and scales
     replace them; learned scales start at that point's scales or the absmax ones. A model on ``meta`` (FSDP2's
     other ranks) only gets the shapes: rank 0's values arrive by broadcast. ``names`` receives
-    ``{module: checkpoint weight name}``."""
-    mapping = quantised_weight_names(model)
+    ``{module: checkpoint weight name}``. A module the precision plan keeps unquantised stays as it is."""
+    fmt = plan.default
+    of = {m: plan.format_of(saved.removesuffix(".weight")) for m, saved in quantised_weight_names(model).items()}
+    mapping = {m: saved for m, saved in quantised_weight_names(model).items() if of[m] is not None}
     names.update(mapping)
-    by_module = states_by_module(model, states)
+    by_module = {m: (st if of[m] is fmt else {}) for m, st in states_by_module(model, states).items() if m in mapping}
     meta = next(model.parameters()).device.type == "meta"
     started, by_weight = {}, {}
     if p.init == "ptq" and not meta:
@@ -282,9 +290,9 @@ def _quantise(model, fmt: FormatBase, states: dict, p: QATParams, start: Start |
                 bar.advance(task)
     scales = None
     if p.learn_scales:
-        scales = {n: started[n] if n in started else fmt.absmax_scale(model.get_submodule(n).weight.detach())
+        scales = {n: started[n] if n in started else of[n].absmax_scale(model.get_submodule(n).weight.detach())
                   for n in mapping}
-    prepare(model, fmt, by_module, act_quant=p.act_quant, scales=scales)
+    prepare(model, fmt, by_module, act_quant=p.act_quant, scales=scales, other={m: of[m] for m in mapping})
 
 
 def _quantiser_state(fmt: FormatBase, p: QATParams, names: dict, weights: dict, scales: dict, modules: dict,
@@ -296,11 +304,12 @@ def _quantiser_state(fmt: FormatBase, p: QATParams, names: dict, weights: dict, 
     if p.refit_table and fmt.refits_state:
         refit = {"matrices": 0, "improved": 0, "error_before": 0.0, "error_after": 0.0}
     for module, m in modules.items():
+        fmt = m.format                                 # the precision plan's format of this module
         key = names[module].removesuffix(".weight")
         w = weights[module].detach().float().cpu()
         state = {k: v.detach().cpu() for k, v in m.qstate.items()}
         scale = learned_scale(scales[module].cpu()) if module in scales else None
-        if refit is not None:
+        if refit is not None and fmt.refits_state:
             h = importance(key) if importance is not None else None
             h = torch.ones(w.shape[1]) if h is None else h.float()
             s = scale if scale is not None else fmt.absmax_scale(w)

@@ -1,0 +1,223 @@
+"""The precision plan (a format per weight: ``pipeline.precision``), INT8's packed layout, and the sequential cast
+(``pipeline.sequential``): each matrix's X^T X taken from the model whose earlier matrices are already cast."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import formats, ptq, sequential
+from pipeline.checkpoint import CheckpointReader
+from pipeline.models import load_model, meta_model, quantised_weight_names, states_by_module
+from pipeline.packed import load_packed_model, read_metadata, write_packed
+from pipeline.precision import Precision, check_rules, parse_rules
+from pipeline.qat.api import prepare
+from tests.conftest import tiny_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_teacher_import import tiny_llama  # noqa: E402
+
+INT8 = formats.get("int8")
+S3D8 = formats.get("s3d8")
+
+
+# --- INT8's packed layout ----------------------------------------------------------------------------------------
+
+def test_int8_packs_what_its_fake_quant_gives_and_slices_by_rows():
+    w = torch.randn(37, 50) * torch.linspace(0.1, 3, 37)[:, None]
+    t = INT8.pack(w, {})
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in t.items()} == \
+        {k: (d, tuple(s)) for k, (d, s) in INT8.packed_specs((37, 50), {}).items()}
+    assert torch.equal(INT8.unpack(t, (37, 50)), INT8.quantize(w, {}))
+    part, shape = INT8.row_block(t, (37, 50), 6, 20)
+    assert torch.equal(INT8.unpack(part, shape), INT8.unpack(t, (37, 50))[6:20])
+    assert torch.equal(INT8.values_at_scale(w, {}, t["scale"]) * INT8.expand_scale(t["scale"].float(), w.shape),
+                       INT8.unpack(t, (37, 50)))
+    bad = dict(t, int8=t["int8"].clone())
+    bad["int8"][3, 4] = -128
+    with pytest.raises(ValueError, match="-128"):
+        INT8.unpack(bad, (37, 50))
+
+
+def test_int8_native_modules_equal_the_decoded_weight():
+    pytest.importorskip("pipeline._s3d8_native")
+    from pipeline.quant import fake_quant_activations
+
+    w = torch.randn(24, 64)
+    t = INT8.pack(w, {})
+    x = torch.randn(5, 64)
+    expected = torch.nn.functional.linear(fake_quant_activations(x), INT8.unpack(t, (24, 64)))
+    assert torch.allclose(INT8.native_linear(t, (24, 64), None)(x), expected, rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([[3, 0, 23, 3]])
+    assert torch.equal(INT8.row_embedding(t, (24, 64))(ids), INT8.unpack(t, (24, 64))[ids])
+
+
+# --- the rules ---------------------------------------------------------------------------------------------------
+
+def test_rules_first_match_wins_and_bad_rules_name_themselves():
+    plan = Precision(S3D8, {r"embed_tokens$": "int8", r"layers\.1\.": "bf16", r"proj": "int8"})
+    assert plan.format_of("model.embed_tokens") is INT8
+    assert plan.format_of("model.layers.1.mlp.down_proj") is None
+    assert plan.format_of("model.layers.0.mlp.down_proj") is INT8
+    assert plan.format_of("lm_head") is S3D8
+    assert plan.assigned(["model.embed_tokens", "lm_head", "model.layers.1.x"]) == \
+        {"model.embed_tokens": "int8", "model.layers.1.x": "bf16"}
+    assert parse_rules("none") == {} and parse_rules(r"embed_tokens$=int8,down=bf16") == \
+        {"embed_tokens$": "int8", "down": "bf16"}
+    with pytest.raises(ValueError, match=r"not a regular expression"):
+        check_rules({"(": "int8"})
+    with pytest.raises(ValueError, match=r"pack.precision\['x'\].*'int9'"):
+        check_rules({"x": "int9"})
+    with pytest.raises(ValueError, match="PATTERN=FORMAT"):
+        parse_rules("embed_tokens")
+
+
+# --- a packed file in several formats -----------------------------------------------------------------------------
+
+def test_mixed_file_loads_each_weight_in_its_format(tiny_checkpoint, tmp_path):
+    reader = CheckpointReader(tiny_checkpoint)
+    model = meta_model(load_model(str(tiny_checkpoint), torch.float32).config)
+    names = [s.removesuffix(".weight") for s in quantised_weight_names(model).values()]
+    plan = Precision(S3D8, {r"embed_tokens$": "int8", r"mlp\.down_proj$": "int8", r"layers\.1\.self_attn\.q": "bf16"})
+    kept = [n for n in names if plan.format_of(n) is None]
+    assert kept and any(plan.format_of(n) is INT8 for n in names)
+    states = {n: S3D8.fit(reader.get(f"{n}.weight")) if plan.format_of(n) is S3D8 else {}
+              for n in names if plan.format_of(n) is not None}
+    other = {n: f for n in states if (f := plan.format_of(n)) is not S3D8}
+    teacher = load_model(str(tiny_checkpoint), torch.float32)
+    out = tmp_path / "mixed.safetensors"
+    summary = write_packed(out, reader, S3D8, states, dtype=torch.float32, other=other,
+                           metadata={"config": teacher.config.to_dict()})
+    meta = read_metadata(out)
+    assert json.loads(meta["formats"]) == {f"{n}.weight": "int8" for n in other}
+    assert 2.6 < summary["bits_per_param_actual"] < 8.2
+    packed = load_packed_model(out)
+    qat = load_model(str(tiny_checkpoint), torch.float32)
+    by_module = {m: st for m, st in states_by_module(qat, states).items()}
+    of = {m: plan.format_of(s.removesuffix(".weight")) for m, s in quantised_weight_names(qat).items()}
+    prepare(qat, S3D8, {m: by_module.get(m, {}) for m in of if of[m] is not None}, act_quant=True, other=of)
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        expected = qat(**inputs).logits
+        assert torch.equal(packed(**inputs).logits, expected), "each weight decoded in its own format"
+        assert torch.equal(load_packed_model(out, decode="lazy")(**inputs).logits, expected)
+    from safetensors.torch import load_file, save_file
+
+    stale = tmp_path / "stale.safetensors"
+    save_file(load_file(str(out)), str(stale), {k: v for k, v in meta.items() if k != "formats"})
+    with pytest.raises(ValueError, match="is missing"):
+        load_packed_model(stale)   # INT8 bytes in a file that says every weight is S3D8
+
+
+# --- the sequential cast -----------------------------------------------------------------------------------------
+
+def _collect(model, inputs, module) -> torch.Tensor:
+    return sequential.hessians(lambda: [model(**b) for b in inputs], {"m": module})["m"]
+
+
+def _cast_round(w: torch.Tensor) -> torch.Tensor:
+    return (w * 64).round() / 64        # a coarse stand-in for a format: visible in every later X^T X
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_sequential_hessians_come_from_the_partly_cast_model(tied):
+    model = tiny_llama(tied=tied).float()
+    reference = tiny_llama(tied=tied).float()
+    inputs = [{"input_ids": torch.randint(0, model.config.vocab_size, (1, n))} for n in (9, 13, 6)]
+    seen: dict[str, torch.Tensor | None] = {}
+    order: list[str] = []
+
+    def cast(name, weight, hessian):
+        assert name not in seen, f"{name} cast twice"
+        seen[name], _ = hessian, order.append(name)
+        return _cast_round(weight)
+
+    sequential.cast_sequentially(model, inputs, cast)
+    saved = {s.removesuffix(".weight") for s in quantised_weight_names(model).values()}
+    assert set(seen) == saved
+    assert order.index("model.layers.0.self_attn.o_proj") < order.index("model.layers.1.self_attn.q_proj")
+    # the reference: cast by hand up to a matrix, then its X^T X from a whole-model forward
+    with torch.no_grad():
+        for name in order:
+            module = reference.get_submodule(name)
+            if name == "model.embed_tokens":
+                break
+            if isinstance(module, nn.Linear):
+                expected = _collect(reference, inputs, module)
+                assert torch.allclose(seen[name], expected, rtol=1e-4, atol=1e-6), name
+            module.weight.copy_(_cast_round(module.weight))
+    if tied:
+        head = _collect(reference, inputs, reference.lm_head)
+        assert torch.allclose(seen["model.embed_tokens"], head, rtol=1e-4, atol=1e-6), "the tied matrix: lm_head's"
+    else:
+        assert seen["model.embed_tokens"] is None and seen["lm_head"] is not None
+    for name in saved:
+        assert torch.equal(model.get_submodule(name).weight, _cast_round(reference.get_submodule(name).weight)
+                           if name != "model.embed_tokens" else model.get_submodule(name).weight)
+
+
+def test_sequential_gptq_beats_the_teachers_hessians_on_a_tiny_llama():
+    """GPTQ with the partly cast model's X^T X fits the cast model's own inputs: its output error on them is no worse
+    than GPTQ on the teacher's (the calibration set)."""
+    teacher = tiny_llama(tied=False, intermediate=128).float()
+    inputs = [{"input_ids": torch.randint(0, teacher.config.vocab_size, (1, 24), generator=torch.Generator()
+                                          .manual_seed(i))} for i in range(6)]
+    with torch.no_grad():
+        ref = torch.cat([teacher(**b).logits[0] for b in inputs])
+
+    def error(model):
+        with torch.no_grad():
+            return float(((torch.cat([model(**b).logits[0] for b in inputs]) - ref) ** 2).mean())
+
+    def cast(name, weight, hessian):
+        tensors, _ = ptq.cast(S3D8, weight, method="gptq", hessian=hessian)
+        return S3D8.unpack(tensors, tuple(weight.shape))
+
+    in_order = tiny_llama(tied=False, intermediate=128).float()
+    sequential.cast_sequentially(in_order, inputs, cast)
+    at_once = tiny_llama(tied=False, intermediate=128).float()
+    linears = {m: at_once.get_submodule(m) for m, _ in quantised_weight_names(at_once).items()
+               if isinstance(at_once.get_submodule(m), nn.Linear)}
+    found = sequential.hessians(lambda: [at_once(**b) for b in inputs], linears)
+    with torch.no_grad():
+        for m, module in linears.items():
+            module.weight.copy_(cast(m, module.weight.float(), found[m]))
+    assert error(in_order) <= error(at_once) * 1.05
+
+
+# --- the rotation ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["orthogonal", "hadamard"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_rotated_llama_computes_the_same_logits(kind, tied):
+    from pipeline.rotate import rotate_llama, rotation
+
+    q = rotation(kind, 64, seed=3)
+    assert torch.allclose(q @ q.T, torch.eye(64, dtype=torch.float64), atol=1e-12)
+    model, rotated = tiny_llama(tied=tied).float(), tiny_llama(tied=tied).float()
+    rotate_llama(rotated, kind, seed=3)
+    assert not rotated.config.tie_word_embeddings and rotated.lm_head.weight is not rotated.model.embed_tokens.weight
+    assert all(torch.equal(n.weight, torch.ones_like(n.weight)) for n in rotated.modules() if "RMSNorm" in type(n).__name__)
+    assert not torch.allclose(rotated.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, rotated(input_ids=ids).logits
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), float((a - b).abs().max())
+    assert float((a - b).abs().max()) < 1e-4 * float(a.abs().max())
+
+
+def test_rotation_refuses_what_it_cannot_do():
+    from pipeline.rotate import rotate_llama, rotation
+
+    with pytest.raises(ValueError, match="not a power of 2"):
+        rotation("hadamard", 576)
+    with pytest.raises(ValueError, match="expected one of"):
+        rotation("spin", 64)
+    mllama = type("M", (), {"config": type("C", (), {"model_type": "mllama"})()})()
+    with pytest.raises(ValueError, match="only a text Llama"):
+        rotate_llama(mllama, "orthogonal")
