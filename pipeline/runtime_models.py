@@ -112,6 +112,8 @@ class S3D8RowEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from pipeline import native
+        for name, t in self._buffers.items():      # gathered from by torch, then decoded by C: both would crash
+            native.check_readable(t, f"S3D8RowEmbedding buffer {name!r}")
         n, d = self.num_embeddings, self.embedding_dim
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
             raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], {n} embeddings")
