@@ -130,8 +130,10 @@ def run_stage(main: Callable[[], object]) -> None:
 
 
 def plan_main(argv: list[str]) -> int:
-    """``python -m pipeline.launch plan``: the memory and disk plan of this run (:mod:`pipeline.memory_plan`); exit
-    status 1 when a phase does not fit."""
+    """``python -m pipeline.launch plan``: the memory and disk plan of this run (:mod:`pipeline.memory_plan`) for the
+    params with ``--preset`` files applied (as ``python -m pipeline.params apply`` would) on the teacher's config
+    (``--config``, else ``memory_plan.teacher_config``'s choice); it names the model it planned. Exit status 1 when
+    a phase does not fit."""
     import argparse
 
     from pipeline import memory_plan, params
@@ -140,22 +142,38 @@ def plan_main(argv: list[str]) -> int:
                                  description="per-GPU and per-node host memory and the disk of every stage and phase "
                                              "of this run")
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--config", help="the teacher's directory or config.json (default: teacher.dir)")
+    ap.add_argument("--preset", action="append", default=[], metavar="FILE",
+                    help="a preset (configs/*.yaml) applied to the params first; repeat for several, in order")
+    ap.add_argument("--config", help="the teacher's directory, its config.json, or a hub id whose config.json is in "
+                                     "the Hugging Face cache (default: teacher.dir if imported from teacher.source, "
+                                     "else teacher.source)")
     ap.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU (default: this machine's GPU, if any)")
     ap.add_argument("--host-memory-gb", type=float, help="host RAM of one node (default: this machine's)")
     args = ap.parse_args(argv)
     try:
-        p = params.read(args.params)
-        config = memory_plan._teacher_config(Path(args.config).parent if str(args.config).endswith(".json")
-                                             else args.config) if args.config else None
+        params.read(args.params)                     # the file alone valid first: an error names it and the key
+        doc = params.load_yaml(args.params)
+        for preset in args.preset:
+            if not Path(preset).is_file():
+                raise FileNotFoundError(f"--preset {preset}: no such file (the presets are configs/*.yaml)")
+            doc = params.merge(doc, params.load_yaml(preset) or {})
+        p = params.validate(doc, " + ".join([args.params, *args.preset]))
+        config, config_path = memory_plan.teacher_config(p, args.config)
+        counts = memory_plan.count_params(config)
         cache_dir, copies = memory_plan.dvc_cache()
-        phases = memory_plan.plan(p, config, cache_copies=copies)
+        phases = memory_plan.plan(p, config, counts, cache_copies=copies)
         gpu, host = memory_plan.memory_available(args.gpu_memory_gb, args.host_memory_gb)
         disk = memory_plan.disk_available(".", cache_dir)
-        per_node = p["launch"].num_processes // p["launch"].machines()
+        launch = p["launch"]
+        per_node = launch.num_processes // launch.machines()
     except (ParamsError, FileNotFoundError, ValueError) as e:
         print(f"launch plan: error: {e}", file=sys.stderr)
         return 1
+    arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    print(f"plan of {p['teacher'].name}: {arch}, {counts['total'] / 1e9:.2f} B parameters "
+          f"({counts['quantised'] / 1e9:.2f} B quantised), config {config_path}\n"
+          f"params {' + '.join([args.params, *args.preset])}: {launch.num_processes} process(es), {launch.strategy}, "
+          f"formats {', '.join(p['formats'])}")
     print(memory_plan.summary(phases, gpu, host, disk))
     problems = memory_plan.check(phases, gpu, host, per_node) + memory_plan.check_disk(phases, disk)
     for line in problems:
@@ -202,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         params_path, argv = argv[1], argv[2:]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0] + "\n\nusage: python -m pipeline.launch [--params FILE] SCRIPT [ARGS...]\n"
-              "       python -m pipeline.launch plan [--params FILE] [--gpu-memory-gb N] [--host-memory-gb N]")
+              "       python -m pipeline.launch plan [--params FILE] [--preset FILE]... [--config DIR|REPO] "
+              "[--gpu-memory-gb N] [--host-memory-gb N]")
         raise SystemExit(0 if argv else 2)
     script, args = argv[0], argv[1:]
     if "--params" in args[:-1]:                        # the script's --params is the launcher's too

@@ -22,6 +22,7 @@ skeleton (``benchmarks/skeleton_11b.py``) measures the same phases on CPU and re
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -190,20 +191,59 @@ class Phase:
         return sum(getattr(self, where).values())
 
 
-def _teacher_config(teacher_dir: str | Path):
+def teacher_config(params: dict, source: str | None = None):
+    """``(config, its config.json)`` of the teacher a plan is for, from local files only: ``source`` (a model
+    directory, its ``config.json``, or a hub id whose ``config.json`` is in the Hugging Face cache); else
+    teacher-import's output ``teacher.dir`` if it was imported from ``teacher.source`` (``teacher_import.json``:
+    a preset applied since names another teacher); else ``teacher.source``, read as ``source`` is."""
     from pipeline.models import load_config
-    path = Path(teacher_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}/config.json: the teacher's config is needed for a memory plan "
-                                f"(run teacher-import, or pass --config DIR)")
-    return load_config(str(path))
+
+    teacher = params["teacher"]
+    why = ""
+    if source is None:
+        imported = Path(teacher.dir) / "teacher_import.json"
+        held = json.loads(imported.read_text()).get("source") if imported.is_file() else teacher.source
+        if (Path(teacher.dir) / "config.json").is_file() and _same_source(held, teacher.source):
+            source = teacher.dir
+        else:
+            source = teacher.source
+            if (Path(teacher.dir) / "config.json").is_file():
+                why = f" (teacher.dir {teacher.dir} holds {held}, not teacher.source)"
+    path = _local_config(str(source), why)
+    return load_config(str(path.parent)), path
+
+
+def _same_source(a: str, b: str) -> bool:
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def _local_config(source: str, why: str = "") -> Path:
+    """The ``config.json`` of ``source`` on this machine, never downloaded."""
+    path = Path(source)
+    if path.name == "config.json" and path.is_file():
+        return path
+    if (path / "config.json").is_file():
+        return path / "config.json"
+    hub = (source.count("/") == 1 and not path.exists() and not source.startswith((".", "/"))
+           and not path.parent.is_dir())                # as pipeline.teacher.local_dir tells a hub id from a path
+    if hub:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "config.json")
+        if isinstance(cached, str):
+            return Path(cached)
+    fetch = (f"hf download {source} config.json" if hub else
+             "dvc repro teacher-import" if source.startswith("gguf:") or source.endswith(".gguf") else
+             f"hf download REPO config.json --local-dir {source}")
+    raise FileNotFoundError(f"{source}: no config.json here or in the Hugging Face cache{why}; the plan reads the "
+                            f"teacher's config from local files: `{fetch}`, or pass --config DIR")
 
 
 def plan(params: dict, config=None, counts: dict | None = None, cache_copies: bool = True) -> list[Phase]:
     """Every stage's phases for ``params`` (``pipeline.params.read``) on the teacher ``config``, in the order
     ``dvc repro`` runs them; ``cache_copies``: DVC copies each cached output into its cache (``dvc_cache``)."""
     launch, qat, gen, cal = params["launch"], params["qat"], params["generate"], params["calibrate"]
-    config = config or _teacher_config(params["teacher"].dir)
+    config = config or teacher_config(params)[0]
     counts = counts or count_params(config)
     sh = _shape(config)
     P = counts["total"]

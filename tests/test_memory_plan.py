@@ -167,3 +167,48 @@ def test_dvc_cache_settings_decide_where_copies_go(tmp_path):
     assert memory_plan.dvc_cache(tmp_path) == (tmp_path / ".dvc" / "../store", False)
     free = memory_plan.disk_available(tmp_path, tmp_path / ".dvc" / "../store")
     assert list(free) == ["project"] and free["project"][0] == tmp_path.resolve()    # one file system: one budget
+
+
+def test_the_plan_names_the_model_of_the_preset_it_was_given(tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    """A clone that imported the toy (teacher.dir holds it, teacher_import.json says so): ``--preset`` naming another
+    teacher plans that one from its local config.json and says so; a teacher whose config is not here is one error
+    naming it and the download; a hub id's config.json is read from the Hugging Face cache, never downloaded."""
+    import shutil
+
+    import huggingface_hub
+
+    from pipeline import launch
+    from pipeline.models import load_config
+
+    toy = tmp_path / "teacher"
+    toy.mkdir()
+    shutil.copy(ROOT / "data/toy-teacher/config.json", toy / "config.json")
+    (toy / "teacher_import.json").write_text('{"source": "data/toy-teacher"}')
+    path = _params(tmp_path, toy)
+    preset = tmp_path / "other.yaml"
+    preset.write_text(yaml.safe_dump({"teacher": {"source": str(tiny_checkpoint), "name": "tiny-other"},
+                                      "formats": ["s3d8"]}))
+    assert launch.plan_main(["--params", str(path), "--host-memory-gb", "1000"]) == 0
+    assert capsys.readouterr().out.startswith(f"plan of toy-mllama: MllamaForConditionalGeneration, 0.00 B "
+                                              f"parameters (0.00 B quantised), config {toy / 'config.json'}\n")
+    assert launch.plan_main(["--params", str(path), "--preset", str(preset), "--host-memory-gb", "1000"]) == 0
+    out = capsys.readouterr().out
+    total = memory_plan.count_params(load_config(str(tiny_checkpoint)))["total"]
+    assert out.startswith(f"plan of tiny-other: MllamaForConditionalGeneration, {total / 1e9:.2f} B parameters")
+    assert f"config {tiny_checkpoint / 'config.json'}\nparams {path} + {preset}: 1 process(es), ddp, formats s3d8" in out
+
+    preset.write_text(yaml.safe_dump({"teacher": {"source": str(tmp_path / "absent")}}))
+    assert launch.plan_main(["--params", str(path), "--preset", str(preset)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'absent'}: no config.json here" in err and "teacher.dir" in err and "hf download" in err
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123"
+    snapshot.mkdir(parents=True)
+    shutil.copy(Path(tiny_checkpoint) / "config.json", snapshot / "config.json")
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert launch.plan_main(["--params", str(path), "--config", "org/tiny", "--host-memory-gb", "1000"]) == 0
+    assert f"config {snapshot / 'config.json'}" in capsys.readouterr().out
+    assert launch.plan_main(["--params", str(path), "--config", "org/absent"]) == 1
+    assert "org/absent: no config.json" in capsys.readouterr().err
