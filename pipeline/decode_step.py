@@ -25,9 +25,13 @@ ERRORS = {-1: "no usable kernel variant", -2: "a weight with more inputs than th
           -5: "token out of range"}
 
 
-def _weight(w, module) -> list:
-    """Fill the ``s3d8_weight`` ``w`` from a native Linear or row embedding; the tensors it points to."""
+def _weight(w, module, what: str) -> list:
+    """Fill the ``s3d8_weight`` ``w`` from a native Linear or row embedding (``what`` names it in errors); the
+    tensors it points to."""
     b = module._buffers
+    for name, t in b.items():
+        if t is not None:
+            native.check_readable(t, f"C decoder: {what} ({type(module).__name__}) buffer {name!r}")
     if "packed" in b:
         n, k = module.shape if hasattr(module, "shape") else (module.num_embeddings, module.embedding_dim)
         w.kind, tensors = KINDS["s3d8"], [b["packed"], b["table"], b["scale"]]
@@ -40,7 +44,7 @@ def _weight(w, module) -> list:
         w.kind = KINDS["bf16"]
     for t in tensors:
         if not t.is_contiguous():
-            raise ValueError(f"{type(module).__name__}: the C decoder needs contiguous tensors")
+            raise ValueError(f"C decoder: {what} ({type(module).__name__}) needs contiguous tensors")
     w.n, w.k, w.data = n, k, ffi.cast("void *", tensors[0].data_ptr())
     return tensors
 
@@ -50,7 +54,9 @@ class DecodeStep:
     norm weights), ``q k v o gate up down`` (native modules), ``k_cache``/``v_cache`` (float32 ``[kv heads, positions,
     head_dim]``, contiguous); a Mllama cross-attention layer adds ``cross=True``, ``q_norm``, ``bias`` (float32
     ``[positions]`` or None), ``attn_gate``, ``mlp_gate``, ``mlp_row_mask`` (floats, the gates through tanh), and
-    ``skip=True`` leaves a layer out. ``cos``/``sin_rolled``: ``[positions, head_dim]`` (see ``LeanLlama._rope``)."""
+    ``skip=True`` leaves a layer out. ``cos``/``sin_rolled``: ``[positions, head_dim]`` (see ``LeanLlama._rope``).
+    Every tensor is checked readable here (``native.check_readable``, errors name the layer); ``step`` then trusts
+    them (it holds references to them; hundreds of checks per token would weigh on the decode's hot path)."""
 
     def __init__(self, *, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, layers: list[dict],
                  embed, lm_head, norm: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor,
@@ -60,22 +66,23 @@ class DecodeStep:
         self._layers = ffi.new("s3d8_layer[]", max(len(layers), 1))
         d.n_layers, d.hidden, d.n_heads, d.n_kv_heads, d.head_dim = len(layers), hidden, n_heads, n_kv_heads, head_dim
         d.eps, d.layers, d.stub_products = eps, self._layers, int(stub_products)
-        self._keep += _weight(d.embed, embed) + _weight(d.lm_head, lm_head)
-        d.norm = self._floats(norm)
-        d.cos, d.sin_rolled, d.rope_len = self._floats(cos), self._floats(sin_rolled), cos.shape[0]
-        for c, spec in zip(self._layers, layers):
+        self._keep += _weight(d.embed, embed, "embed") + _weight(d.lm_head, lm_head, "lm_head")
+        d.norm = self._floats(norm, "norm")
+        d.cos, d.sin_rolled = self._floats(cos, "cos"), self._floats(sin_rolled, "sin_rolled")
+        d.rope_len = cos.shape[0]
+        for i, (c, spec) in enumerate(zip(self._layers, layers)):
             c.skip = int(spec.get("skip", False))
             if c.skip:
                 continue
-            c.ln1, c.ln2 = self._floats(spec["ln1"]), self._floats(spec["ln2"])
+            c.ln1, c.ln2 = self._floats(spec["ln1"], f"layer {i} ln1"), self._floats(spec["ln2"], f"layer {i} ln2")
             c.cross = int(spec.get("cross", False))
             for name in ("q", "o", "gate", "up", "down") + (() if c.cross else ("k", "v")):
-                self._keep += _weight(getattr(c, name), spec[name])
-            c.k_cache, c.v_cache = self._floats(spec["k_cache"]), self._floats(spec["v_cache"])
+                self._keep += _weight(getattr(c, name), spec[name], f"layer {i} {name}")
+            c.k_cache, c.v_cache = (self._floats(spec[k], f"layer {i} {k}") for k in ("k_cache", "v_cache"))
             c.cache_len = spec["k_cache"].shape[-2]
             if c.cross:
-                c.q_norm = self._floats(spec["q_norm"])
-                c.bias = ffi.NULL if spec.get("bias") is None else self._floats(spec["bias"])
+                c.q_norm = self._floats(spec["q_norm"], f"layer {i} q_norm")
+                c.bias = ffi.NULL if spec.get("bias") is None else self._floats(spec["bias"], f"layer {i} bias")
                 c.attn_gate, c.mlp_gate, c.mlp_row_mask = spec["attn_gate"], spec["mlp_gate"], spec["mlp_row_mask"]
         self.vocab = d.lm_head.n
         self.logits = torch.zeros(self.vocab)
@@ -88,7 +95,8 @@ class DecodeStep:
             part = "the embedding or lm_head" if where[0] == len(layers) else f"layer {where[0]}"
             raise ValueError(f"C decoder: {ERRORS.get(rc, rc)} ({part})")
 
-    def _floats(self, t: torch.Tensor):
+    def _floats(self, t: torch.Tensor, what: str):
+        native.check_readable(t, f"C decoder: {what}")
         if t.dtype != torch.float32 or not t.is_contiguous():
             t = t.float().contiguous()
         self._keep.append(t)

@@ -130,38 +130,61 @@ def run_stage(main: Callable[[], object]) -> None:
 
 
 def plan_main(argv: list[str]) -> int:
-    """``python -m pipeline.launch plan``: the memory plan of this run (:mod:`pipeline.memory_plan`); exit status 1
-    when a phase does not fit."""
+    """``python -m pipeline.launch plan``: the memory and disk plan of this run (:mod:`pipeline.memory_plan`) for the
+    params with ``--preset`` files applied (as ``python -m pipeline.params apply`` would) on the teacher's config
+    (``--config``, else ``memory_plan.teacher_config``'s choice); it names the model it planned. Exit status 1 when
+    a phase does not fit."""
     import argparse
 
     from pipeline import memory_plan, params
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.launch plan",
-                                 description="per-GPU and per-node host memory of every stage and phase of this run")
+                                 description="per-GPU and per-node host memory and the disk of every stage and phase "
+                                             "of this run")
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--config", help="the teacher's directory or config.json (default: teacher.dir)")
+    ap.add_argument("--preset", action="append", default=[], metavar="FILE",
+                    help="a preset (configs/*.yaml) applied to the params first; repeat for several, in order")
+    ap.add_argument("--config", help="the teacher's directory, its config.json, or a hub id whose config.json is in "
+                                     "the Hugging Face cache (default: teacher.dir if imported from teacher.source, "
+                                     "else teacher.source)")
     ap.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU (default: this machine's GPU, if any)")
     ap.add_argument("--host-memory-gb", type=float, help="host RAM of one node (default: this machine's)")
     args = ap.parse_args(argv)
     try:
-        p = params.read(args.params)
-        config = memory_plan._teacher_config(Path(args.config).parent if str(args.config).endswith(".json")
-                                             else args.config) if args.config else None
-        phases = memory_plan.plan(p, config)
+        params.read(args.params)                     # the file alone valid first: an error names it and the key
+        doc = params.load_yaml(args.params)
+        for preset in args.preset:
+            if not Path(preset).is_file():
+                raise FileNotFoundError(f"--preset {preset}: no such file (the presets are configs/*.yaml)")
+            doc = params.merge(doc, params.load_yaml(preset) or {})
+        p = params.validate(doc, " + ".join([args.params, *args.preset]))
+        config, config_path = memory_plan.teacher_config(p, args.config)
+        counts = memory_plan.count_params(config)
+        cache_dir, copies = memory_plan.dvc_cache()
+        phases = memory_plan.plan(p, config, counts, cache_copies=copies)
         gpu, host = memory_plan.memory_available(args.gpu_memory_gb, args.host_memory_gb)
-        per_node = p["launch"].num_processes // p["launch"].machines()
+        disk = memory_plan.disk_available(".", cache_dir)
+        launch = p["launch"]
+        per_node = launch.num_processes // launch.machines()
     except (ParamsError, FileNotFoundError, ValueError) as e:
         print(f"launch plan: error: {e}", file=sys.stderr)
         return 1
-    print(memory_plan.summary(phases, gpu, host))
-    problems = memory_plan.check(phases, gpu, host, per_node)
+    arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    print(f"plan of {p['teacher'].name}: {arch}, {counts['total'] / 1e9:.2f} B parameters "
+          f"({counts['quantised'] / 1e9:.2f} B quantised), config {config_path}\n"
+          f"params {' + '.join([args.params, *args.preset])}: {launch.num_processes} process(es), {launch.strategy}, "
+          f"formats {', '.join(p['formats'])}")
+    print(memory_plan.summary(phases, gpu, host, disk))
+    problems = memory_plan.check(phases, gpu, host, per_node) + memory_plan.check_disk(phases, disk)
     for line in problems:
         print(f"does not fit: {line}", file=sys.stderr)
     return 1 if problems else 0
 
 
-def _memory_check(script: str, params_path: str, p: LaunchParams) -> None:
-    """Refuse to start a stage whose memory plan does not fit this machine (``S3D8_MEMORY_CHECK=0``: skip)."""
+def _memory_check(script: str, args: list[str], params_path: str, p: LaunchParams) -> None:
+    """Refuse to start a stage whose memory or disk plan does not fit this machine (``S3D8_MEMORY_CHECK=0``: skip);
+    the disk it needs (its outputs and checkpoints, of its ``--format`` alone) is checked against the free space
+    now, where the stages before it have left theirs."""
     if os.environ.get("S3D8_MEMORY_CHECK", "1") == "0":
         return
     from pipeline import memory_plan, params
@@ -170,8 +193,11 @@ def _memory_check(script: str, params_path: str, p: LaunchParams) -> None:
     stage = memory_plan.stage_of(script)
     if not (Path(doc["teacher"].dir) / "config.json").is_file():
         return                                           # teacher-import has not run: nothing to plan from
+    if "--format" in args[:-1]:
+        doc["formats"] = [args[args.index("--format") + 1]]
+    cache_dir, copies = memory_plan.dvc_cache()
     try:
-        phases = [ph for ph in memory_plan.plan(doc) if ph.stage == stage]
+        phases = [ph for ph in memory_plan.plan(doc, cache_copies=copies) if ph.stage == stage]
     except Exception as e:  # noqa: BLE001  (a model the estimates do not cover must not stop the run)
         print(f"launch: no memory plan for {script} ({type(e).__name__}: {e})", file=sys.stderr)
         return
@@ -179,6 +205,7 @@ def _memory_check(script: str, params_path: str, p: LaunchParams) -> None:
         return
     gpu, host = memory_plan.memory_available()
     problems = memory_plan.check(phases, gpu, host, p.num_processes // p.machines())
+    problems += memory_plan.check_disk(phases, memory_plan.disk_available(".", cache_dir))
     if problems:
         raise ValueError("the memory plan does not fit this machine (python -m pipeline.launch plan; "
                          "S3D8_MEMORY_CHECK=0 to start anyway): " + "; ".join(problems))
@@ -193,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         params_path, argv = argv[1], argv[2:]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0] + "\n\nusage: python -m pipeline.launch [--params FILE] SCRIPT [ARGS...]\n"
-              "       python -m pipeline.launch plan [--params FILE] [--gpu-memory-gb N] [--host-memory-gb N]")
+              "       python -m pipeline.launch plan [--params FILE] [--preset FILE]... [--config DIR|REPO] "
+              "[--gpu-memory-gb N] [--host-memory-gb N]")
         raise SystemExit(0 if argv else 2)
     script, args = argv[0], argv[1:]
     if "--params" in args[:-1]:                        # the script's --params is the launcher's too
@@ -205,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(script).is_file():
             raise FileNotFoundError(f"{script}: script not found")
         cmd = command(script, args, p)
-        _memory_check(script, params_path, p)
+        _memory_check(script, args, params_path, p)
     except (ParamsError, FileNotFoundError, ValueError) as e:
         print(f"launch: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

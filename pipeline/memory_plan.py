@@ -1,4 +1,4 @@
-"""The memory a run needs, stage by stage, before it starts: ``python -m pipeline.launch plan``.
+"""The memory and disk a run needs, stage by stage, before it starts: ``python -m pipeline.launch plan``.
 
 For the current ``params.yaml`` (its ``launch`` section included) and the teacher's config, :func:`plan` lists for
 each stage and phase the bytes each device (a GPU, or a process's share of host RAM on a CPU run) and each node's
@@ -9,6 +9,12 @@ Hessian sums of calibration, the direct cast's largest layer, the fit's and the 
 compares them with the memory there is and names every term of a phase that does not fit;
 ``pipeline.launch`` runs that check before it starts a stage (``S3D8_MEMORY_CHECK=0`` skips it).
 
+Disk (:func:`disk_terms`): what each stage leaves (the bf16 teacher, the answers' token ids, calibration's fp32
+``X^T X``, each format's casts, fp32 students and packed models) and DVC's copy of it in its cache, and what
+qat-train holds only while it runs: its checkpoints (fp32 masters and AdamW's two moments, two while the next is
+written). :func:`check_disk` adds them up in ``dvc repro``'s order against the free space of the project and of
+DVC's cache (:func:`disk_available`), and names the first phase that does not fit.
+
 The terms are estimates from parameter counts on the ``meta`` device (:func:`count_params`); the 11B-shaped
 skeleton (``benchmarks/skeleton_11b.py``) measures the same phases on CPU and reports each next to its prediction
 (``reports/skeleton_11b.md``).
@@ -16,7 +22,9 @@ skeleton (``benchmarks/skeleton_11b.py``) measures the same phases on CPU and re
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +43,8 @@ def count_params(config) -> dict:
 
     model = meta_model(config)
     total = sum(p.numel() for p in model.parameters())
-    weights = {id(m.weight): m.weight for _, m in quantised_modules(model)}    # a tied weight once
+    modules = {id(m.weight): m for _, m in quantised_modules(model)}          # a tied weight once
+    weights = {key: m.weight for key, m in modules.items()}
     quantised = {key: w.numel() for key, w in weights.items()}
     units = {name: sum(p.numel() for p in m.parameters()) for name, m in sharding_units(model)}
     inner = getattr(model, "model", model)
@@ -58,6 +67,9 @@ def count_params(config) -> dict:
         "vision_local_layers": len(vision.transformer.layers) if vision is not None else 0,
         "vision_global_layers": len(vision.global_transformer.layers) if vision is not None else 0,
         "layer_matrices": _layer_matrices(lang.layers[0]),
+        "quantised_shapes": [tuple(w.shape) for w in weights.values()],
+        # calibrate's X^T X: one d_in x d_in matrix per quantised Linear (embeddings have none)
+        "calibration_elements": sum(m.in_features ** 2 for m in modules.values() if hasattr(m, "in_features")),
     }
     return out
 
@@ -165,29 +177,73 @@ def step_host(counts: dict, file_bytes: float | None = None) -> dict:
 
 @dataclass
 class Phase:
-    """One phase of one stage: bytes by term on each device and on each node's host (beyond the interpreter)."""
+    """One phase of one stage: bytes by term on each device and on each node's host (beyond the interpreter), and
+    on disk: ``disk`` what it leaves there (outputs, their DVC cache copy), ``scratch`` what it holds only while it
+    runs (checkpoints)."""
     stage: str
     phase: str
     device: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)      # the whole node: every process on it together
+    disk: dict = field(default_factory=dict)
+    scratch: dict = field(default_factory=dict)
 
     def total(self, where: str) -> float:
         return sum(getattr(self, where).values())
 
 
-def _teacher_config(teacher_dir: str | Path):
+def teacher_config(params: dict, source: str | None = None):
+    """``(config, its config.json)`` of the teacher a plan is for, from local files only: ``source`` (a model
+    directory, its ``config.json``, or a hub id whose ``config.json`` is in the Hugging Face cache); else
+    teacher-import's output ``teacher.dir`` if it was imported from ``teacher.source`` (``teacher_import.json``:
+    a preset applied since names another teacher); else ``teacher.source``, read as ``source`` is."""
     from pipeline.models import load_config
-    path = Path(teacher_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}/config.json: the teacher's config is needed for a memory plan "
-                                f"(run teacher-import, or pass --config DIR)")
-    return load_config(str(path))
+
+    teacher = params["teacher"]
+    why = ""
+    if source is None:
+        imported = Path(teacher.dir) / "teacher_import.json"
+        held = json.loads(imported.read_text()).get("source") if imported.is_file() else teacher.source
+        if (Path(teacher.dir) / "config.json").is_file() and _same_source(held, teacher.source):
+            source = teacher.dir
+        else:
+            source = teacher.source
+            if (Path(teacher.dir) / "config.json").is_file():
+                why = f" (teacher.dir {teacher.dir} holds {held}, not teacher.source)"
+    path = _local_config(str(source), why)
+    return load_config(str(path.parent)), path
 
 
-def plan(params: dict, config=None, counts: dict | None = None) -> list[Phase]:
-    """Every stage's phases for ``params`` (``pipeline.params.read``) on the teacher ``config``."""
+def _same_source(a: str, b: str) -> bool:
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def _local_config(source: str, why: str = "") -> Path:
+    """The ``config.json`` of ``source`` on this machine, never downloaded."""
+    path = Path(source)
+    if path.name == "config.json" and path.is_file():
+        return path
+    if (path / "config.json").is_file():
+        return path / "config.json"
+    hub = (source.count("/") == 1 and not path.exists() and not source.startswith((".", "/"))
+           and not path.parent.is_dir())                # as pipeline.teacher.local_dir tells a hub id from a path
+    if hub:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "config.json")
+        if isinstance(cached, str):
+            return Path(cached)
+    fetch = (f"hf download {source} config.json" if hub else
+             "dvc repro teacher-import" if source.startswith("gguf:") or source.endswith(".gguf") else
+             f"hf download REPO config.json --local-dir {source}")
+    raise FileNotFoundError(f"{source}: no config.json here or in the Hugging Face cache{why}; the plan reads the "
+                            f"teacher's config from local files: `{fetch}`, or pass --config DIR")
+
+
+def plan(params: dict, config=None, counts: dict | None = None, cache_copies: bool = True) -> list[Phase]:
+    """Every stage's phases for ``params`` (``pipeline.params.read``) on the teacher ``config``, in the order
+    ``dvc repro`` runs them; ``cache_copies``: DVC copies each cached output into its cache (``dvc_cache``)."""
     launch, qat, gen, cal = params["launch"], params["qat"], params["generate"], params["calibrate"]
-    config = config or _teacher_config(params["teacher"].dir)
+    config = config or teacher_config(params)[0]
     counts = counts or count_params(config)
     sh = _shape(config)
     P = counts["total"]
@@ -198,25 +254,35 @@ def plan(params: dict, config=None, counts: dict | None = None) -> list[Phase]:
     tiles = getattr(getattr(config, "vision_config", None), "max_num_tiles", 0) or 0
     n_layers = counts["text_self_layers"] + counts["text_cross_layers"]
     kv_width = 2 * sh["kv"] * sh["kv_heads"]             # a token's keys and values in one layer
+    disk = disk_terms(params, counts)
     phases = []
 
-    seq = qat.max_seq_len + gen.max_new_tokens
-    phases.append(Phase("teacher-generate", "generate", device={
-        "teacher": tb * P, "kv_cache": gen.batch_size * seq * counts["text_self_layers"] * kv_width * tb,
-        "image_states": gen.batch_size * tiles * sh["patches"] * counts["text_cross_layers"] * kv_width * tb,
-        "logits": gen.batch_size * sh["V"] * 4}, host={"teacher_load": per_node * tb * P}))
+    def stage_disk(ph: Phase, stage: str) -> Phase:
+        """``ph`` with the disk terms of ``stage``: its cached outputs (and their cache copy), its other files."""
+        cached, other = disk.get(stage, ({}, {}))
+        ph.disk.update({**cached, **other})
+        if cache_copies and cached:
+            ph.disk["dvc_cache_copy"] = sum(cached.values())
+        return ph
 
-    hess = sum(k * k * 8 for _, k in counts["layer_matrices"]) * n_layers
-    phases.append(Phase("calibrate", "forward", device={"teacher": tb * P, "hessian_sums_fp64": min(
-        hess, cal.hessian_memory_gb * GB)}, host={"teacher_load": tb * P}))
-
-    layer = counts["layer_matrices"]
-    phases.append(Phase("direct-cast", "largest layer", host={
-        "layer_fp32_and_start": per_node * sum(12 * n * k for n, k in layer),
-        "hessians_fp64": per_node * max(2 * 8 * k * k for _, k in layer)}))
-
+    phases.append(stage_disk(Phase("teacher-import", "write"), "teacher-import"))
     host = step_host(counts)
     phases.append(Phase("fit-centroids", "largest matrix", host={"fit": host["fit"]}))   # fit.threads: torch's
+
+    seq = qat.max_seq_len + gen.max_new_tokens
+    phases.append(stage_disk(Phase("teacher-generate", "generate", device={
+        "teacher": tb * P, "kv_cache": gen.batch_size * seq * counts["text_self_layers"] * kv_width * tb,
+        "image_states": gen.batch_size * tiles * sh["patches"] * counts["text_cross_layers"] * kv_width * tb,
+        "logits": gen.batch_size * sh["V"] * 4}, host={"teacher_load": per_node * tb * P}), "teacher-generate"))
+
+    hess = sum(k * k * 8 for _, k in counts["layer_matrices"]) * n_layers
+    phases.append(stage_disk(Phase("calibrate", "forward", device={"teacher": tb * P, "hessian_sums_fp64": min(
+        hess, cal.hessian_memory_gb * GB)}, host={"teacher_load": tb * P}), "calibrate"))
+
+    layer = counts["layer_matrices"]
+    phases.append(stage_disk(Phase("direct-cast", "largest layer", host={
+        "layer_fp32_and_start": per_node * sum(12 * n * k for n, k in layer),
+        "hessians_fp64": per_node * max(2 * 8 * k * k for _, k in layer)}), "direct-cast"))
 
     examples = max(params["sample"].n_prompts - params["heldout_prompts"], 0)
     kl = examples * gen.max_new_tokens * sh["V"] * tb if qat.teacher_logits == "cache" else 0
@@ -226,13 +292,52 @@ def plan(params: dict, config=None, counts: dict | None = None) -> list[Phase]:
                         checkpointing=launch.gradient_checkpointing, teacher_bytes=tb, kl_cache_bytes=kl)
     rank0_teacher = tb * P if launch.teacher == "shard" and launch.strategy == "fsdp2" else per_node * tb * P
     phases.append(Phase("qat-train", "load", host={"student_fp32_rank0": 4 * P, "teacher_load": rank0_teacher}))
-    phases.append(Phase("qat-train", "train", device=device))
+    # a checkpoint every qat.checkpoint_every steps before the last; the previous one is deleted once the next is
+    # complete, so two lie on disk while one is written; the last one is still there when the student is saved
+    checkpoints = min(2, (qat.steps - 1) // qat.checkpoint_every)
+    phases.append(Phase("qat-train", "train", device=device, scratch={
+        f"checkpoints_x{checkpoints}": checkpoints * disk["checkpoint"]} if checkpoints else {}))
     # rank 0 gathers the fp32 student on the host and save_pretrained's safetensors serialiser copies it to bytes
-    phases.append(Phase("qat-train", "save", host={"student_fp32_rank0": 4 * P, "serialised_copy": 4 * P}))
+    phases.append(stage_disk(Phase("qat-train", "save", host={"student_fp32_rank0": 4 * P, "serialised_copy": 4 * P},
+                                   scratch={"last_checkpoint": disk["checkpoint"]} if checkpoints else {}),
+                             "qat-train"))
 
-    phases.append(Phase("pack-safetensors", "largest matrix", host={"pack": host["pack"]}))
+    phases.append(stage_disk(Phase("pack-safetensors", "largest matrix", host={"pack": host["pack"]}),
+                             "pack-safetensors"))
+    if "export-sqt" in disk:
+        phases.append(stage_disk(Phase("export-sqt", "write"), "export-sqt"))
     phases.append(Phase("eval", "lazy load", host={"packed_model": per_node * host["load_lazy"]}))
     return phases
+
+
+def disk_terms(params: dict, counts: dict) -> dict:
+    """Bytes each stage writes, from the parameter counts and the formats' ``storage_bytes``:
+    ``{stage: (cached outputs, other files)}`` and ``checkpoint``, one QAT checkpoint. Outputs of a stage of
+    every format (direct-cast, qat-train, pack-safetensors) are summed over ``params["formats"]``."""
+    from pipeline import formats
+
+    P, Q, shapes = counts["total"], counts["quantised"], counts["quantised_shapes"]
+    names = params["formats"]
+    packed = {f: sum(formats.get(f).storage_bytes(s) for s in shapes) for f in names}
+    rest = (2 if params["pack"].dtype in ("bfloat16", "float16") else 4) * (P - Q)
+    gen = params["generate"]
+    answers = params["sample"].n_prompts * (params["qat"].max_seq_len + gen.max_new_tokens) * 8
+    terms = {
+        "teacher-import": ({"teacher_bf16": 2 * P}, {}),
+        # token ids (int64) of prompts and answers at their longest; Parquet compresses them below this
+        "teacher-generate": ({"answers": answers}, {"answer_shards_checkpoints": answers}),
+        "calibrate": ({"hessians_fp32": 4 * counts["calibration_elements"]}, {}),
+        # per weight its packed tensors and the float32 start of QAT
+        "direct-cast": ({"casts": sum(packed.values()) + 4 * Q * len(names)}, {}),
+        "qat-train": ({"students_fp32": 4 * P * len(names)}, {}),
+        # the direct cast and the QAT student, each a packed model
+        "pack-safetensors": ({"packed_models": 2 * (sum(packed.values()) + rest * len(names))}, {}),
+        # fp32 masters and AdamW's two moments (the learned scales and the step counts are small beside them)
+        "checkpoint": 12 * P,
+    }
+    if "s3d8" in names:
+        terms["export-sqt"] = ({"sqt_files": 2 * (packed["s3d8"] + 2 * (P - Q))}, {})
+    return terms
 
 
 def memory_available(gpu_gb: float | None = None, host_gb: float | None = None) -> tuple[float | None, float]:
@@ -245,6 +350,64 @@ def memory_available(gpu_gb: float | None = None, host_gb: float | None = None) 
     if host_gb:
         return gpu, host_gb * GB
     return gpu, float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def dvc_cache(root: str | Path = ".") -> tuple[Path, bool]:
+    """``(directory, copies)``: DVC's cache directory (``cache.dir`` of ``.dvc/config`` or ``config.local``, relative
+    to ``.dvc/``; by default ``.dvc/cache``) and whether it may hold a copy of each output (``cache.type`` with
+    ``copy``, as DVC's default ``reflink,copy`` falls back to on a file system without reflinks)."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read([Path(root) / ".dvc" / "config", Path(root) / ".dvc" / "config.local"])
+    cache = cfg["cache"] if cfg.has_section("cache") else {}
+    return Path(root) / ".dvc" / Path(cache.get("dir", "cache")).expanduser(), "copy" in cache.get("type", "copy")
+
+
+def disk_available(root: str | Path = ".", cache_dir: str | Path | None = None) -> dict[str, tuple[Path, float]]:
+    """Free bytes where a run writes: ``{"project": (root, bytes)}`` (outputs and checkpoints), and ``"dvc_cache"``
+    when DVC's cache lies on another file system (else its copies come out of the project's)."""
+    places = {"project": Path(root).resolve()}
+    if cache_dir is not None:
+        cache = Path(cache_dir).absolute()
+        while not cache.exists():                      # a cache not made yet goes where its first parent lies
+            cache = cache.parent
+        if cache.stat().st_dev != Path(root).stat().st_dev:
+            places["dvc_cache"] = cache
+    return {place: (path, float(shutil.disk_usage(path).free)) for place, path in places.items()}
+
+
+def disk_needs(phases: list[Phase], free: dict[str, tuple[Path, float]]):
+    """``(phase, place, left, own)`` for each phase and place of ``free`` (:func:`disk_available`): the bytes the
+    phases before it left there, and its own terms there (outputs, their DVC cache copy, scratch)."""
+    def place(term: str) -> str:
+        return "dvc_cache" if term == "dvc_cache_copy" and "dvc_cache" in free else "project"
+
+    left = dict.fromkeys(free, 0.0)
+    for ph in phases:
+        for where in free:
+            yield ph, where, left[where], {k: v for k, v in {**ph.disk, **ph.scratch}.items() if place(k) == where}
+        for k, v in ph.disk.items():
+            left[place(k)] += v
+
+
+def check_disk(phases: list[Phase], free: dict[str, tuple[Path, float]]) -> list[str]:
+    """A line for the first phase at which each place of ``free`` runs out of disk, naming the bytes before it and
+    its own. Give the phases of one stage to check that stage alone (what earlier stages left is on disk already)."""
+    problems, full = [], set()
+    for ph, where, left, own in disk_needs(phases, free):
+        path, limit = free[where]
+        need = left + sum(own.values())
+        if own and need > limit and where not in full:
+            full.add(where)
+            problems.append(f"{ph.stage} ({ph.phase}): {_size(need)} of disk at {path} > {_size(limit)} free; left "
+                            f"by the stages before it {_size(left)}, its own "
+                            + ", ".join(f"{k} {_size(v)}" for k, v in own.items()))
+    return problems
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
 
 
 def check(phases: list[Phase], gpu_bytes: float | None, host_bytes: float, processes_per_node: int,
@@ -275,7 +438,7 @@ def table(phases: list[Phase]) -> list[tuple[str, str, str, str, float]]:
     """``(stage, phase, where, term, GB)`` rows, each phase's terms then its total."""
     rows = []
     for ph in phases:
-        for where in ("device", "host"):
+        for where in ("device", "host", "disk", "scratch"):
             terms = getattr(ph, where)
             for k, v in terms.items():
                 rows.append((ph.stage, ph.phase, where, k, v / GB))
@@ -289,10 +452,14 @@ def stage_of(script: str) -> str | None:
     return Path(script).stem.replace("_", "-")
 
 
-def summary(phases: list[Phase], gpu: float | None, host: float) -> str:
+def summary(phases: list[Phase], gpu: float | None, host: float,
+            disk: dict[str, tuple[Path, float]] | None = None) -> str:
     fmt = "{:<18} {:<15} {:<7} {:<36} {:>9}"
     lines = [fmt.format("stage", "phase", "where", "term", "GB")]
     lines += [fmt.format(s, p, w, t, f"{gb:.2f}") for s, p, w, t, gb in table(phases)]
     lines.append(f"available: {'no GPU' if gpu is None else f'{gpu / GB:.1f} GB per GPU'}, "
                  f"{host / GB:.1f} GB host RAM per node")
+    for where, (path, free) in (disk or {}).items():
+        peak = max((left + sum(own.values()) for _, w, left, own in disk_needs(phases, disk) if w == where), default=0)
+        lines.append(f"disk at {path} ({where}): the run holds at most {_size(peak)} at once, {_size(free)} free")
     return "\n".join(lines)

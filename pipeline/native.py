@@ -6,6 +6,9 @@ dtypes. Every entry point checks its contract in Python before calling C, and wr
 
 - dtype exactly as documented (no conversion of relabelled or wider types), CPU, strided layout,
   the documented number of dimensions and sizes (shapes positive);
+- every byte of every tensor there (``check_readable``, before C or torch reads any): a tensor on the meta
+  device, or one whose storage was freed or shrunk under it (a parameter FSDP2 has resharded keeps its shape
+  over 0 bytes) would otherwise crash the process; the modules' hot path asks the same in a cheaper form;
 - input tensors that are not contiguous (transposed, sliced, expanded) or carry a lazy negation
   bit are copied first; ``out=`` must be contiguous and must not overlap an input;
 - S3D8 centroid tables are int8 ``[32, 3]`` in [0, 127] (decode, matmul, encode);
@@ -173,18 +176,44 @@ def _threads(threads: int | None) -> int:
     return threads
 
 
-def _check(t, what: str, dtype: torch.dtype, dims: tuple[int, ...] | None = None,
-           copy: bool = True) -> torch.Tensor:
-    """``t`` if it is a CPU tensor of ``dtype`` that C can read as it is; a contiguous copy of a
-    strided or lazily negated input (``copy=True``); otherwise a ``ValueError`` naming ``what``."""
+def _unreadable(t: torch.Tensor) -> str | None:
+    """Why C cannot read every byte of ``t`` where it lies, or None if it can. A tensor can keep its shape over
+    memory that is gone: FSDP2 resizes a resharded parameter's storage to 0 bytes, a meta tensor has none, a
+    view may reach past a storage shrunk after it was made. C (and torch's own kernels) would read unmapped
+    memory there and kill the process with a segmentation fault, so this is asked before any read."""
+    if t.layout != torch.strided:
+        return f"expected a dense (strided) tensor, got layout {t.layout}"
+    if t.device.type == "meta":
+        return "expected a CPU tensor, got one on the meta device (it has no data: materialise it first)"
+    if t.device.type != "cpu":
+        return f"expected a CPU tensor, got device {t.device}"
+    if t.numel() == 0:
+        return None
+    reach = (t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    held = t.untyped_storage().nbytes()
+    if held < reach:
+        return (f"its storage holds {held} bytes but the tensor {list(t.shape)} reaches {reach}: freed or shrunk "
+                "memory (e.g. a parameter FSDP2 has resharded: unshard it or pass a gathered copy)")
+    return None
+
+
+def check_readable(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` if C can read all of it (see ``_unreadable``), else a ``ValueError`` naming ``what``."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
+    why = _unreadable(t)
+    if why is not None:
+        raise ValueError(f"{what}: {why}")
+    return t
+
+
+def _check(t, what: str, dtype: torch.dtype, dims: tuple[int, ...] | None = None,
+           copy: bool = True) -> torch.Tensor:
+    """``t`` if it is a readable CPU tensor of ``dtype`` that C can read as it is; a contiguous copy of a
+    strided or lazily negated input (``copy=True``); otherwise a ``ValueError`` naming ``what``."""
+    check_readable(t, what)
     if t.dtype != dtype:
         raise ValueError(f"{what}: expected dtype {dtype}, got {t.dtype}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: expected a CPU tensor, got device {t.device}")
     if dims is not None and t.dim() not in dims:
         raise ValueError(f"{what}: expected {' or '.join(map(str, dims))} dimensions, got shape {list(t.shape)}")
     if t.is_neg():                  # a view whose values C would read without the negation
@@ -350,8 +379,8 @@ def s3d8_encode(weight: torch.Tensor, table: torch.Tensor, threads: int | None =
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         raise ValueError(f"weight: expected a floating-point torch.Tensor, got "
                          f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
-    if weight.layout == torch.strided and weight.dtype in (torch.bfloat16, torch.float16):
-        weight = weight.float()
+    if weight.dtype in (torch.bfloat16, torch.float16):
+        weight = check_readable(weight, "weight").float()
     weight = _check(weight.detach(), "weight", torch.float32, (2,))
     d_out, d_in = _check_shape(weight.shape, "weight")
     # amax / amin carry a NaN or an Inf through without a full-size temporary (isfinite makes several)
@@ -503,7 +532,7 @@ def _plain_tokens(x, d_in: int) -> int:
     tensor ``[..., d_in]``) and the fused kernel is the default path for it, else 0: the modules' hot path for
     decoding, which skips the argument checks (tens of microseconds, x 100 products per token)."""
     if (type(x) is not torch.Tensor or x.dtype != torch.float32 or x.layout != torch.strided
-            or not x.is_cpu or x.dim() < 1 or x.shape[-1] != d_in or not x.is_contiguous() or x.is_neg()):
+            or x.dim() < 1 or x.shape[-1] != d_in or x.is_neg() or not _whole(x)):
         return 0
     m = x.numel() // d_in
     return m if _choose_path(None, m, d_in) == "fused" else 0
@@ -585,7 +614,7 @@ class S3D8Linear(torch.nn.Module):
             if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.numel() != d_out:
                 raise ValueError(f"bias: expected a floating-point tensor of {d_out} values, got "
                                  f"{list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
-            bias = bias.detach().float().reshape(d_out).contiguous()
+            bias = check_readable(bias, "bias").detach().float().reshape(d_out).contiguous()
         self.register_buffer("packed", packed.reshape(packed_shape(d_out, d_in)))
         self.register_buffer("scale", _check_scale(scale, d_out))
         self.register_buffer("table", table)
@@ -593,7 +622,7 @@ class S3D8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers                 # not self.packed etc.: nn.Module's attribute lookup costs ~1 us each
-        if _plain_tokens(x, self.shape[1]) and _hot(b["packed"], torch.uint8, b["scale"]):
+        if _plain_tokens(x, self.shape[1]) and _hot(b["packed"], torch.uint8, b["scale"], b["table"], b["bias"]):
             y = _fused(lib.s3d8_linear_s3d8_at, _variant_index(None), _threads(None), x, b["packed"], b["table"],
                        b["scale"], self.shape, "s3d8_matmul")
             if b["bias"] is not None:
@@ -602,7 +631,7 @@ class S3D8Linear(torch.nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"x: expected a floating-point tensor, got "
                              f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-        y = s3d8_matmul(x.float().contiguous(), b["packed"], b["scale"], b["table"], self.shape)
+        y = s3d8_matmul(_fallback(self, x), b["packed"], b["scale"], b["table"], self.shape)
         if b["bias"] is not None:
             y += b["bias"]
         return y.to(x.dtype)
@@ -611,9 +640,26 @@ class S3D8Linear(torch.nn.Module):
         return f"d_in={self.shape[1]}, d_out={self.shape[0]}, variant={variant()}"
 
 
-def _hot(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> bool:
-    """A module's buffers as construction checked them (still on the CPU in their dtypes, the scale bf16)."""
-    return weight.is_cpu and weight.dtype == dtype and (scale is None or scale.dtype == torch.bfloat16)
+def _hot(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None, *others: torch.Tensor | None) -> bool:
+    """A module's buffers as construction checked them: the weight in its dtype, the scale bf16, every tensor
+    still whole (``_whole``), since a storage can be freed or shrunk after construction."""
+    return (weight.dtype == dtype and _whole(weight) and (scale is None or scale.dtype == torch.bfloat16)
+            and all(t is None or _whole(t) for t in (scale, *others)))
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """``_unreadable(t) is None and t.is_contiguous()`` in a fraction of the time, for the hot path."""
+    return (t.is_cpu and t.is_contiguous()
+            and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size())
+
+
+def _fallback(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous float32 for the checked functions, after what the hot path skipped: the module's
+    buffers and ``x`` readable (``check_readable``), each named."""
+    for name, t in module._buffers.items():
+        if t is not None:
+            check_readable(t, f"{type(module).__name__} buffer {name!r}")
+    return check_readable(x, "x").float().contiguous()
 
 
 class Int8Linear(torch.nn.Module):
@@ -638,7 +684,7 @@ class Int8Linear(torch.nn.Module):
         if _plain_tokens(x, self.in_features) and _hot(b["weight"], torch.int8, b["scale"]):
             return _fused(_qsi8_at, _variant_index(None), _threads(None), x, b["weight"], None, b["scale"],
                           (self.out_features, self.in_features), "int8_matmul")
-        return int8_matmul(x.float().contiguous(), b["weight"], b["scale"]).to(x.dtype)
+        return int8_matmul(_fallback(self, x), b["weight"], b["scale"]).to(x.dtype)
 
 
 class Bf16Linear(torch.nn.Module):
@@ -655,7 +701,7 @@ class Bf16Linear(torch.nn.Module):
         w = self._buffers["weight"]
         if _plain_tokens(x, self.in_features) and _hot(w, torch.bfloat16, None):
             return _bf16(_variant_index(None), _threads(None), x, w)
-        return bf16_matmul(x.float().contiguous(), w).to(x.dtype)
+        return bf16_matmul(_fallback(self, x), w).to(x.dtype)
 
 
 # --- row embeddings: only the looked-up rows decoded ----------------------------------------------------------
@@ -675,6 +721,8 @@ class S3D8RowEmbedding(torch.nn.Module):
         self.padding_idx, self.dtype = padding_idx, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        for name, t in self._buffers.items():      # gathered from by torch, then decoded by C: both would crash
+            check_readable(t, f"S3D8RowEmbedding buffer {name!r}")
         n, d = self.num_embeddings, self.embedding_dim
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
             raise IndexError(f"index out of range in self: ids in [{int(ids.min())}, {int(ids.max())}], {n} embeddings")

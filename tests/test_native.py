@@ -621,3 +621,89 @@ def _structs(text: str) -> dict[str, str]:
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     return {m.group(1): re.sub(r"\s+", " ", m.group(2)).strip()
             for m in re.finditer(r"typedef struct (\w+) \{(.*?)\} \1;", text, flags=re.S)}
+
+
+def spoiled(t: torch.Tensor, how: str) -> torch.Tensor:
+    """A copy of ``t`` whose bytes are not all there: storage freed as FSDP2 frees a resharded parameter's,
+    shrunk by one element under the tensor, or on the meta device."""
+    if how == "meta":
+        return t.to("meta")
+    c = t.clone()
+    c.untyped_storage().resize_(0 if how == "freed" else c.untyped_storage().nbytes() - c.element_size())
+    return c
+
+
+SPOILED = ["freed", "shrunk", "meta"]
+
+
+def entry_points():
+    """``(call, tensors)`` per native entry point: ``call(**tensors)`` runs it, and each tensor's key is the name
+    its error must carry."""
+    shape = (7, 33)
+    w, packed, scale, table = random_s3d8(*shape)
+    x, w8, wb = torch.randn(2, 33), s3d8.decode_int8(packed, table, shape), w.to(torch.bfloat16)
+    bias, buf = torch.randn(7), torch.zeros(64, dtype=torch.uint8)
+    out = torch.empty(7, 33, dtype=torch.int8)
+    calls = [(lambda x: native.quantize_activations(x), {"x": x}),
+             (lambda packed, table, out: native.s3d8_decode_int8(packed, table, shape, out=out),
+              {"packed": packed, "table": table, "out": out}),
+             (lambda weight, table: native.s3d8_encode(weight, table), {"weight": w, "table": table}),
+             (lambda weight: native.s3d8_encode(weight, table), {"weight": wb}),
+             (lambda weight, scale: native.s3d8_encode(weight, table, scale=scale), {"weight": w, "scale": scale}),
+             (lambda buf: native.read_bandwidth_probe(buf), {"buf": buf}),
+             (lambda x, weight: native.bf16_matmul(x, weight), {"x": x, "weight": wb}),
+             (lambda packed, scale, table, bias: native.S3D8Linear(packed, scale, table, shape, bias),
+              {"packed": packed, "scale": scale, "table": table, "bias": bias}),
+             (lambda weight, scale: native.Int8Linear(weight, scale), {"weight": w8, "scale": scale}),
+             (lambda weight: native.Bf16Linear(weight), {"weight": wb})]
+    for m in (2, native.FUSED_MAX_M + 3):
+        xm = torch.randn(m, 33)
+        for path in native.PATHS:
+            calls.append((lambda x, packed, scale, table, path=path: native.s3d8_matmul(x, packed, scale, table, shape,
+                                                                                         path=path),
+                          {"x": xm, "packed": packed, "scale": scale, "table": table}))
+        for path in ("fused", "torch"):
+            calls.append((lambda x, weight, scale, path=path: native.int8_matmul(x, weight, scale, path=path),
+                          {"x": xm, "weight": w8, "scale": scale}))
+    return calls
+
+
+@pytest.mark.parametrize("how", SPOILED)
+def test_tensors_without_their_bytes_are_refused_by_every_entry_point(how):
+    """A tensor whose storage is gone (a parameter FSDP2 has resharded), shrunk under it, or on the meta device:
+    every entry point raises a ValueError naming the argument, in this process (a read would be a segfault)."""
+    for call, tensors in entry_points():
+        call(**tensors)                                      # whole, it runs
+        for name, t in tensors.items():
+            with pytest.raises(ValueError, match=f"^{name}: .*(meta device|storage holds)"):
+                call(**{**tensors, name: spoiled(t, how)})
+
+
+def test_a_view_past_its_shrunk_storage_is_refused():
+    _, packed, scale, table = random_s3d8(7, 33)
+    base = torch.randn(4, 40)
+    x = base[1:3, 5:38]                                      # strided: reaches element 2 * 40 + 37 = 117
+    base.untyped_storage().resize_(117 * 4)
+    with pytest.raises(ValueError, match=r"^x: its storage holds 468 bytes but the tensor \[2, 33\] reaches 472"):
+        native.s3d8_matmul(x, packed, scale, table, (7, 33))
+
+
+@pytest.mark.parametrize("how", SPOILED[:2])
+@pytest.mark.parametrize("kind", ["s3d8", "int8", "bf16"])
+def test_modules_refuse_buffers_freed_after_construction(kind, how):
+    """The modules' hot path skips the argument checks, not this one: a buffer freed after construction (and an
+    input without its bytes) is a ValueError naming the module's buffer, for one token and for many."""
+    shape = (7, 33)
+    w, packed, scale, table = random_s3d8(*shape)
+    layer = {"s3d8": lambda: native.S3D8Linear(packed.clone(), scale.clone(), table.clone(), shape, torch.randn(7)),
+             "int8": lambda: native.Int8Linear(s3d8.decode_int8(packed, table, shape), scale.clone()),
+             "bf16": lambda: native.Bf16Linear(w.to(torch.bfloat16))}[kind]
+    for m in (1, native.FUSED_MAX_M + 3):
+        with pytest.raises(ValueError, match="^x: .*storage holds"):
+            layer()(spoiled(torch.randn(m, 33), how))
+        for name in layer()._buffers:
+            module = layer()
+            module._buffers[name].untyped_storage().resize_(
+                0 if how == "freed" else module._buffers[name].untyped_storage().nbytes() - 1)
+            with pytest.raises(ValueError, match=f"^{type(module).__name__} buffer '{name}': its storage holds"):
+                module(torch.randn(m, 33))

@@ -291,3 +291,59 @@ def test_rotary_tables_equal_hugging_face_bit_for_bit(rope):
     assert torch.equal(inv_freq, hf.inv_freq.float()) and scaling == float(hf.attention_scaling)
     with pytest.raises(runtime_models.RuntimeInputError, match="RoPE type 'yarn'"):
         runtime_models._rotary({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})
+
+
+def test_c_decode_step_and_row_embedding_refuse_tensors_without_their_bytes():
+    """A weight, norm or cache whose storage is gone (a parameter FSDP2 has resharded) or on the meta device is a
+    ValueError naming the layer and the tensor when the C decoder is built, and the row embedding refuses a freed
+    buffer before torch or C reads it: never a segmentation fault."""
+    from pipeline import native
+    from pipeline.decode_step import DecodeStep, rope_tables
+
+    gen = torch.Generator().manual_seed(0)
+
+    def linear(d_out, d_in):
+        return native.Bf16Linear(torch.randn(d_out, d_in, generator=gen).to(torch.bfloat16))
+
+    def parts():
+        layer = {"ln1": torch.ones(16), "ln2": torch.ones(16), "q": linear(16, 16), "k": linear(8, 16),
+                 "v": linear(8, 16), "o": linear(16, 16), "gate": linear(32, 16), "up": linear(32, 16),
+                 "down": linear(16, 32), "k_cache": torch.zeros(1, 10, 8), "v_cache": torch.zeros(1, 10, 8)}
+        cos, sin_rolled = rope_tables(1.0 / 10000 ** (torch.arange(0, 8, 2) / 8), 1.0, 10)
+        return dict(hidden=16, n_heads=2, n_kv_heads=1, head_dim=8, eps=1e-5, layers=[layer], cos=cos,
+                    sin_rolled=sin_rolled, embed=runtime_models.Bf16RowEmbedding(torch.randn(50, 16).bfloat16()),
+                    lm_head=linear(50, 16), norm=torch.ones(16))
+
+    assert DecodeStep(**parts()).step(3, 0).shape == (50,)
+    for how in ("freed", "meta"):
+        spec = parts()
+        spec["layers"][0]["ln2"] = torch.ones(16).to("meta") if how == "meta" else _freed(torch.ones(16))
+        with pytest.raises(ValueError, match="^C decoder: layer 0 ln2: "):
+            DecodeStep(**spec)
+        spec = parts()
+        _freed(spec["layers"][0]["up"].weight)
+        with pytest.raises(ValueError, match="^C decoder: layer 0 up \\(Bf16Linear\\) buffer 'weight': its storage"):
+            DecodeStep(**spec)
+        spec = parts()
+        _freed(spec["embed"].weight)
+        with pytest.raises(ValueError, match="^C decoder: embed \\(Bf16RowEmbedding\\) buffer 'weight'"):
+            DecodeStep(**spec)
+        spec = parts()
+        _freed(spec["layers"][0]["v_cache"])
+        with pytest.raises(ValueError, match="^C decoder: layer 0 v_cache: its storage holds 0 bytes"):
+            DecodeStep(**spec)
+
+    w = torch.randn(30, 40, generator=gen)
+    table = s3d8_format.fit_centroids(w, seed=0, max_vectors=4096)
+    packed, scale = s3d8_format.encode(w, table)
+    for name in ("packed", "scale", "table"):
+        emb = runtime_models.S3D8RowEmbedding(packed.clone(), scale.clone(), table.clone(), (30, 40))
+        _freed(emb._buffers[name])
+        with pytest.raises(ValueError, match=f"^S3D8RowEmbedding buffer '{name}': its storage holds 0 bytes"):
+            emb(torch.tensor([1, 2]))
+
+
+def _freed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its storage resized to 0 bytes, as FSDP2 leaves a resharded parameter."""
+    t.untyped_storage().resize_(0)
+    return t
