@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline import direct_cast, formats, params
 from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.checkpoint import CheckpointReader
