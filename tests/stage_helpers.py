@@ -63,7 +63,8 @@ def workdir(path: Path, teacher: Path, **overrides) -> Path:
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    # PYTHONPATH: the stage scripts import this checkout's package, whatever an editable install points at.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
 
 
 def run_stage(cwd: Path, script: str, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:

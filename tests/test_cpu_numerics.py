@@ -86,3 +86,16 @@ def test_opting_out_leaves_torch_alone():
                           env={**os.environ, "S3D8_CPU_NUMERICS": "native"}, capture_output=True, text=True, check=True)
     described = json.loads(proc.stdout)
     assert described["pinned"] is False and described["mkldnn"] is True
+
+
+def test_every_stage_but_the_cpu_dependent_ones_pins_first():
+    """The pin is the first import of every stage script (arm-bench measures this CPU; toy-teacher keeps its
+    committed weights as the reference, README "The same bytes on any x86-64 CPU")."""
+    from pathlib import Path
+    unpinned = {"arm_bench.py", "toy_teacher.py", "__init__.py"}
+    for script in sorted((Path(__file__).resolve().parents[1] / "stages").glob("*.py")):
+        imports = [line for line in script.read_text().splitlines()
+                   if line.startswith(("import ", "from ")) and not line.startswith("from __future__")]
+        project = [line for line in imports if not line.split()[1].split(".")[0] in sys.stdlib_module_names]
+        pins = bool(project) and project[0].startswith("import pipeline.cpu_numerics")
+        assert pins == (script.name not in unpinned), script.name
