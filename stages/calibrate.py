@@ -14,6 +14,7 @@ import json
 import time
 from dataclasses import asdict
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import pipeline.toy  # noqa: F401  (the `toy` image pool the teacher's answers refer to)
 from pipeline import params
 from pipeline.calibrate import CalibrateParams, calibrate

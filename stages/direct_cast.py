@@ -19,8 +19,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import torch
-
 from pipeline import direct_cast, formats, params
 from pipeline.calibrate import CALIBRATION, Calibration, calibration_fingerprint, calibration_inputs
 from pipeline.checkpoint import CheckpointReader

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline.io import atomic_dir
 from pipeline.recipe import STUDENTS
 from pipeline.sqt import export

@@ -13,6 +13,7 @@ import argparse
 import time
 from dataclasses import asdict
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline import formats, params
 from pipeline.fit import FitParams, fit_model
 from pipeline.io import write_json

@@ -18,6 +18,7 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from safetensors import safe_open
 
 from pipeline import formats, params

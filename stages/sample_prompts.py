@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import pipeline.toy  # noqa: F401  (the `toy` image pool)
 from pipeline import params
 from pipeline.io import write_json

@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import pipeline.toy  # noqa: F401  (the `toy` image pool the sampled prompts refer to)
 from pipeline import params
 from pipeline.generate import GenerateParams, run

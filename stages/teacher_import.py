@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline import params
 from pipeline.stage import console, stage_errors
 from pipeline.teacher import TeacherParams, import_teacher

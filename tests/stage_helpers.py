@@ -63,11 +63,13 @@ def workdir(path: Path, teacher: Path, **overrides) -> Path:
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    # PYTHONPATH: the stage scripts import this checkout's package, whatever an editable install points at.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
 
 
-def run_stage(cwd: Path, script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(REPO / "stages" / script), *args], cwd=cwd, env=_env(),
+def run_stage(cwd: Path, script: str, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a stage script in ``cwd``; ``env`` adds to the environment (another CPU's code path, for one)."""
+    proc = subprocess.run([sys.executable, str(REPO / "stages" / script), *args], cwd=cwd, env=_env() | (env or {}),
                           capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -340,3 +340,24 @@ def test_calibrate_in_several_passes_writes_the_same_file(chain, tmp_path, teach
     assert f"{modules} pass(es)" in log
     assert (cwd / "data/calibration/hessians.safetensors").read_bytes() == \
         (chain / "data/calibration/hessians.safetensors").read_bytes()
+
+
+def _outputs(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for part in ("data", "models", "reports")
+            for f in sorted((root / part).rglob("*")) if f.is_file()}
+
+
+@pytest.mark.slow            # the chain again (minutes); test_cpu_numerics checks every stage imports the pin
+def test_every_stage_writes_the_same_bytes_on_an_avx2_cpus_code_path(chain, tmp_path, teacher):
+    """The chain again with an AVX2-only CPU's code path forced (torch's ATen, MKL and oneDNN at AVX2, the native
+    kernels' avx2 variant): every output, byte for byte, as on this CPU's own (pipeline/cpu_numerics.py)."""
+    from tests.test_cpu_numerics import AVX2_CPU, needs_avx512
+    if needs_avx512.args[0]:
+        pytest.skip(needs_avx512.kwargs["reason"])
+    cwd = workdir(tmp_path, teacher)
+    for script, *args in CHAIN:
+        run_stage(cwd, script, *args, env=AVX2_CPU)
+    ours, reference = _outputs(cwd), _outputs(chain)
+    assert set(ours) == set(reference)
+    differ = [name for name in reference if ours[name] != reference[name]]
+    assert not differ, f"outputs that depend on the CPU's code path: {differ}"
