@@ -211,6 +211,7 @@ def cast_check(preset: str, method: str, device, phases: Phases, compare: bool =
     """Stage direct-cast's work on ``device``; writes ``<preset>/direct-cast/s3d8`` for :func:`qat_check`."""
     import skeleton_11b as S
     from pipeline import direct_cast, formats
+    from pipeline.precision import Precision
     from pipeline.checkpoint import CheckpointReader
     from pipeline.io import atomic_dir
 
@@ -251,9 +252,9 @@ def cast_check(preset: str, method: str, device, phases: Phases, compare: bool =
     with atomic_dir(out_dir) as out:
         for g, names in groups.items():
             clock[0] = time.perf_counter()
-            direct_cast.cast_group(fmt, names, weight, fitted, hessian, method, out / f"{g}.safetensors",
+            direct_cast.cast_group(Precision(fmt), names, weight, fitted, hessian, method, out / f"{g}.safetensors",
                                    "gpu-check", on_matrix=on_matrix)
-        direct_cast.write_index(out, fmt, method, groups, {"device": device.type})
+        direct_cast.write_index(out, Precision(fmt), method, groups, {"device": device.type})
     phases.exit()
     by_shape: dict[tuple, list[float]] = {}
     for name, sec in seconds.items():

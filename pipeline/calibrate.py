@@ -33,7 +33,7 @@ from pipeline.models import dtype_of, load_model, load_processor, quantised_weig
 from pipeline.params import non_negative, positive
 from pipeline.safetensors_io import StreamingWriter
 from pipeline.shards import file_hash, shard_paths
-from pipeline.eval.text import CORPUS, corpus_info, corpus_text
+from pipeline.eval.text import CORPUS, corpus_info, corpus_text, text_windows
 from pipeline.qat.data import collate, load_examples, model_inputs, split_heldout, tokenizer_of
 from pipeline.teacher import TeacherParams
 
@@ -83,21 +83,6 @@ class CalibrateParams:
 
     def __post_init__(self) -> None:
         check_source(self.source)
-
-
-def text_windows(text: str, tokenizer, n: int, length: int, what: str) -> list[list[int]]:
-    """The first ``n`` windows of ``length`` tokens of ``text``, each starting with what the tokenizer puts before a
-    text (its BOS, for a tokenizer that adds one); fewer when the text is shorter (at least one, else an error)."""
-    bos = tokenizer("")["input_ids"]
-    step = length - len(bos)
-    if step < 1:
-        raise ValueError(f"calibrate.max_seq_len={length}: too short for a window")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    windows = [bos + ids[i:i + step] for i in range(0, min(len(ids), n * step), step)]
-    windows = [w for w in windows if len(w) > len(bos) + 1]
-    if not windows:
-        raise ValueError(f"{what}: no text to calibrate on")
-    return windows
 
 
 def calibration_fingerprint(p: CalibrateParams, teacher_data: str) -> list:

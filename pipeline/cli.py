@@ -44,12 +44,19 @@ def _model_dir(path: str, tokenizer: str | None) -> str:
 
 
 def cmd_pack(args) -> int:
+    pack_model(args)
+    return 0
+
+
+def pack_model(args) -> dict:
+    """``s3d8 pack``'s work: the packed model written, its one-line summary and held-out comparison printed;
+    returns ``{"summary", "held_out", "seconds", "plan"}`` (``benchmarks/ptq_ablation.py`` records it)."""
     import tempfile
 
     import torch
 
     from pipeline import direct_cast, formats
-    from pipeline.calibrate import text_windows
+    from pipeline.eval.text import text_windows
     from pipeline.chat import tokenizer_of
     from pipeline.checkpoint import CheckpointReader
     from pipeline.io import atomic_dir
@@ -117,11 +124,12 @@ def cmd_pack(args) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             summary = write_packed(out, CheckpointReader(source), fmt, states, dtype=dtype_of(args.dtype),
                                    metadata=metadata, encode=encode, other=other)
+    seconds = time.perf_counter() - began
     print(f"{out}: {summary['file_bytes']} bytes, {summary['bits_per_param_actual']:.3f} bits per quantised "
-          f"weight ({plan.describe()}), cast in {time.perf_counter() - began:.0f} s")
-    if args.eval_tokens:
-        _held_out_line(local_dir(args.model), out, tokenizer, args.eval_tokens, args.window)
-    return 0
+          f"weight ({plan.describe()}), cast in {seconds:.0f} s")
+    held_out = _held_out_line(local_dir(args.model), out, tokenizer, args.eval_tokens, args.window) \
+        if args.eval_tokens else None
+    return {"summary": summary, "held_out": held_out, "seconds": seconds, "plan": plan.describe()}
 
 
 def _calibration_text(path: str | None) -> tuple[str, str]:
@@ -138,7 +146,7 @@ def _calibration_text(path: str | None) -> tuple[str, str]:
         raise ValueError(f"--calibration {path}: not UTF-8 text ({e})") from None
 
 
-def _held_out_line(source: Path, out: Path, tokenizer, tokens: int, window: int) -> None:
+def _held_out_line(source: Path, out: Path, tokenizer, tokens: int, window: int) -> dict:
     """One line: the packed model against its source on held-out prose (KL, perplexity); a warning if it broke."""
     import torch
 
@@ -155,6 +163,7 @@ def _held_out_line(source: Path, out: Path, tokenizer, tokens: int, window: int)
     if ratio > 2:
         print(f"warning: the packed model's perplexity is {ratio:.1f}x the source's: this cast broke it (try "
               f"--precision with more INT8, or QAT)", file=sys.stderr)
+    return r
 
 
 def _check_pack_dir(out: Path, source: Path) -> None:

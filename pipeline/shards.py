@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.io import atomic_path
+from pipeline.io import atomic_path, file_hash, file_sha256  # noqa: F401  (also imported from here)
 
 META_KEY = b"s3d8_pipeline"
 
@@ -56,17 +56,3 @@ def fingerprint(*parts) -> str:
     """A short stable hash of JSON-serialisable parts (parameters, input hashes)."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def file_sha256(path: str | Path) -> str:
-    """The sha256 of a file's bytes (hex), read a MiB at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_hash(path: str | Path) -> str:
-    """A short stable hash of a file (its sha256's first 16 hex digits), for fingerprints."""
-    return file_sha256(path)[:16]

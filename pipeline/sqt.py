@@ -48,10 +48,17 @@ from pathlib import Path
 
 import torch
 
+from pipeline import layout
+from pipeline.formats.int8 import LAYOUT as INT8_LAYOUT
 from pipeline.layout import TABLE_SHAPE
+from pipeline.precision import file_formats
 from pipeline.sqt_blocks import model_config_of, config_block, tokenizer_dir, vocab_block
 from pipeline.sqt_layout import DEFAULT_ALIGNMENT, MAGIC, PREFIX_BYTES, VERSION, FORCE_BF16, Entry, SqtError, align
 from pipeline.sqt_read import read_sqt, summary
+
+ENGINE_DTYPES = {layout.NAME: "S3D8", INT8_LAYOUT: "INT8"}
+"""The engine's dtype of each packed layout it reads (a precision plan's INT8 weights included)."""
+
 
 # --- export: names, gates, merges -------------------------------------------------------------------------
 
@@ -88,6 +95,7 @@ class _Source:
     key: str | None = None
     parts: dict[str, str] | None = None
     shape: tuple[int, ...] = ()
+    fmt: object = None          # the format of a packed tensor (the file's, or the precision plan's other one)
 
 
 @dataclass
@@ -123,18 +131,22 @@ class _Exporter:
         self.file, self.reader, self.fmt = file, reader, fmt
         self.sources: dict[str, _Source] = {}       # engine name -> source tensor
         keys = set(reader.keys())
+        others = file_formats(file, reader.metadata(), fmt)
         for key in sorted(keys):
             base, _, suffix = key.rpartition(".")
-            if suffix in fmt.suffixes and all(f"{base}.{s}" in keys for s in fmt.suffixes):
+            f = others.get(base, fmt)
+            if suffix in f.suffixes and all(f"{base}.{s}" in keys for s in f.suffixes):
                 if standard_name(base) in self.sources:
                     continue                        # the other parts of a weight already seen
-                self.sources[standard_name(base)] = _Source(parts={s: f"{base}.{s}" for s in fmt.suffixes})
+                if f.layout not in ENGINE_DTYPES:
+                    raise SqtError(f"{file}: {base!r} is stored in format {f.name!r}, which the engine cannot read")
+                self.sources[standard_name(base)] = _Source(parts={s: f"{base}.{s}" for s in f.suffixes}, fmt=f)
             else:
                 self.sources[standard_name(key)] = _Source(key=key, shape=tuple(reader.shape(key)))
         shapes = json.loads(reader.metadata().get("shapes", "{}"))
         for name, src in self.sources.items():
             if src.parts is not None:
-                base = src.parts["packed"].rpartition(".")[0]
+                base = next(iter(src.parts.values())).rpartition(".")[0]
                 if base not in shapes:
                     raise SqtError(f"{file}: metadata 'shapes' lacks the logical shape of {base!r}")
                 src.shape = tuple(shapes[base])
@@ -149,7 +161,7 @@ class _Exporter:
         if src.parts is None:
             return self.reader.get(src.key).float()
         tensors = {s: self.reader.get(k) for s, k in src.parts.items()}
-        return self.fmt.unpack(tensors, src.shape).float()
+        return src.fmt.unpack(tensors, src.shape).float()
 
     def gate(self, name: str) -> torch.Tensor:
         """``tanh(gate)`` in float32 (a gate is one value)."""
@@ -159,10 +171,12 @@ class _Exporter:
         return torch.tanh(t[0])
 
     def out(self, src: _Source, factor: torch.Tensor | None = None, force_bf16: bool = False) -> _Out:
-        """The tensor as stored: S3D8 bytes, table and (gate-scaled) scale; or BF16."""
+        """The tensor as stored: S3D8 bytes, table and (gate-scaled) scale; INT8 values and (gate-scaled) scale;
+        or BF16."""
         if src.parts is not None and not force_bf16:
             if len(src.shape) != 2:
-                raise SqtError(f"{self.file}: quantised tensor {src.parts['packed']!r} has logical shape {src.shape}")
+                raise SqtError(f"{self.file}: quantised tensor {next(iter(src.parts.values()))!r} has logical "
+                               f"shape {src.shape}")
             d_out = src.shape[0]
             reader, parts = self.reader, src.parts
 
@@ -170,6 +184,9 @@ class _Exporter:
                 s = reader.get(parts["scale"]).float().reshape(d_out, 1)
                 return _bf16_bytes(s * factor if factor is not None else s)
 
+            if ENGINE_DTYPES[src.fmt.layout] == "INT8":
+                return _Out(Entry("INT8", src.shape, scale=Entry("BF16", (d_out, 1))),
+                            data=lambda: reader.get(parts["int8"]).reshape(-1).view(torch.uint8), scale=scale)
             return _Out(Entry("S3D8", src.shape, table=Entry("INT8", TABLE_SHAPE), scale=Entry("BF16", (d_out, 1))),
                         data=lambda: reader.get(parts["packed"]).reshape(-1).view(torch.uint8),
                         table=lambda: reader.get(parts["table"]).to(torch.int8).reshape(-1).view(torch.uint8),
@@ -288,7 +305,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str |
             f.write(MAGIC + struct.pack("<I", VERSION) + struct.pack("<Q", len(raw)) + raw)
             start = f.tell()
             for name, o in plan.items():
-                for part, produce in zip(o.entry.parts(), (o.data, o.table, o.scale)):
+                for part, produce in zip(o.entry.parts(), [p for p in (o.data, o.table, o.scale) if p is not None]):
                     data = produce().numpy().tobytes()
                     if len(data) != part.nbytes or f.tell() != start + part.begin:
                         raise SqtError(f"{file}: tensor {name!r}: {len(data)} bytes produced, {part.nbytes} expected")

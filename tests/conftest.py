@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pipeline.cpu_numerics  # noqa: F401  (first: the stages' CPU code path, so a stage run in-process runs as it does alone)
 import pytest
 import torch
 

@@ -337,7 +337,7 @@ def test_c_decode_step_and_row_embedding_refuse_tensors_without_their_bytes():
     table = s3d8_format.fit_centroids(w, seed=0, max_vectors=4096)
     packed, scale = s3d8_format.encode(w, table)
     for name in ("packed", "scale", "table"):
-        emb = runtime_models.S3D8RowEmbedding(packed.clone(), scale.clone(), table.clone(), (30, 40))
+        emb = native.S3D8RowEmbedding(packed.clone(), scale.clone(), table.clone(), (30, 40))
         _freed(emb._buffers[name])
         with pytest.raises(ValueError, match=f"^S3D8RowEmbedding buffer '{name}': its storage holds 0 bytes"):
             emb(torch.tensor([1, 2]))

@@ -79,6 +79,21 @@ def corpus_windows(tokenizer, n_tokens: int, window: int) -> list[list[int]]:
     return [bos + ids[i:i + step] for i in range(0, len(ids), step)]
 
 
+def text_windows(text: str, tokenizer, n: int, length: int, what: str) -> list[list[int]]:
+    """The first ``n`` windows of ``length`` tokens of ``text``, each starting with what the tokenizer puts before a
+    text (its BOS, for a tokenizer that adds one); fewer when the text is shorter (at least one, else an error)."""
+    bos = tokenizer("")["input_ids"]
+    step = length - len(bos)
+    if step < 1:
+        raise ValueError(f"calibrate.max_seq_len={length}: too short for a window")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    windows = [bos + ids[i:i + step] for i in range(0, min(len(ids), n * step), step)]
+    windows = [w for w in windows if len(w) > len(bos) + 1]
+    if not windows:
+        raise ValueError(f"{what}: no text to calibrate on")
+    return windows
+
+
 def hf_logits_fn(model) -> LogitsFn:
     """``logits_fn`` of a Hugging Face causal LM (float32 logits of one unpadded sequence)."""
     @torch.inference_mode()

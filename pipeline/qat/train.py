@@ -262,12 +262,15 @@ def teacher_logits(teacher, examples: list[Example], processor, max_seq_len: int
     return out
 
 
-def _quantise(model, plan: Precision, states: dict, p: QATParams, start: Start | None, names: dict) -> None:
+def _quantise(model, plan: Precision | FormatBase, states: dict, p: QATParams, start: Start | None,
+              names: dict) -> None:
     """Swap the quantised modules of ``model`` for fake-quantised ones (``prepare``): from the teacher's weights
     with the fitted states, or (``qat.init: ptq``) from the post-training point, whose weights, tables and scales
     replace them; learned scales start at that point's scales or the absmax ones. A model on ``meta`` (FSDP2's
     other ranks) only gets the shapes: rank 0's values arrive by broadcast. ``names`` receives
-    ``{module: checkpoint weight name}``. A module the precision plan keeps unquantised stays as it is."""
+    ``{module: checkpoint weight name}``. ``plan``: the precision plan, or one format for every module; a module the
+    plan keeps unquantised stays as it is."""
+    plan = plan if isinstance(plan, Precision) else Precision(plan)
     fmt = plan.default
     of = {m: plan.format_of(saved.removesuffix(".weight")) for m, saved in quantised_weight_names(model).items()}
     mapping = {m: saved for m, saved in quantised_weight_names(model).items() if of[m] is not None}
