@@ -32,7 +32,7 @@ from pipeline import formats, ptq, sequential
 from pipeline.formats import FormatBase
 from pipeline.precision import Precision
 from pipeline.safetensors_io import write_tensors
-from pipeline.io import file_sha256
+from pipeline.filehash import file_sha256
 
 INDEX = "index.json"
 REST = "rest"

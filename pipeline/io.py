@@ -6,7 +6,6 @@ A crash never leaves a half-written file that a later stage would trust.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -84,17 +83,3 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 def write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_open(path) as f:
         f.write(text)
-
-
-def file_sha256(path: str | Path) -> str:
-    """The sha256 of a file's bytes (hex), read a MiB at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_hash(path: str | Path) -> str:
-    """A short stable hash of a file (its sha256's first 16 hex digits), for fingerprints."""
-    return file_sha256(path)[:16]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.io import atomic_path, file_hash, file_sha256  # noqa: F401  (also imported from here)
+from pipeline.filehash import file_hash, file_sha256  # noqa: F401  (also imported from here)
+from pipeline.io import atomic_path
 
 META_KEY = b"s3d8_pipeline"
 
