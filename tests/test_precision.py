@@ -222,3 +222,22 @@ def test_rotation_refuses_what_it_cannot_do():
     mllama = type("M", (), {"config": type("C", (), {"model_type": "mllama"})()})()
     with pytest.raises(ValueError, match="only a text Llama"):
         rotate_llama(mllama, "orthogonal")
+
+
+def test_sequential_cast_walks_mllamas_vision_and_text_layers():
+    """Mllama: the vision encoder's layers, its global layers and the text layers (cross-attention ones included,
+    with image inputs) each get their X^T X; only embeddings have none."""
+    from tests.conftest import tiny_mllama
+
+    model = tiny_mllama().float().eval()
+    seen: dict[str, bool] = {}
+
+    def cast(name, weight, hessian):
+        seen[name] = hessian is not None
+        return (weight * 64).round() / 64
+
+    sequential.cast_sequentially(model, [tiny_inputs(batch=1), tiny_inputs(batch=1, seed=1)], cast)
+    assert set(seen) == {s.removesuffix(".weight") for s in quantised_weight_names(model).values()}
+    without = sorted(n for n, has in seen.items() if not has)
+    assert without and all("embed" in n for n in without), without
+    assert any(seen[n] for n in seen if "cross_attn" in n) and any(seen[n] for n in seen if "global_transformer" in n)
