@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from pipeline import params
-from pipeline.depgraph import command_imports
+from pipeline.depgraph import PARAMS_ONLY, command_imports
 
 ROOT = Path(__file__).resolve().parent.parent
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
@@ -29,6 +29,9 @@ def _covered(path: str, deps: list[str]) -> bool:
 def test_stage_lists_every_module_it_imports(name):
     stage = STAGES[name]
     deps = [str(d) for d in stage["deps"]]
+    if name in PARAMS_ONLY:               # the CPU-dependent toy teacher: re-run by its parameters alone
+        assert not [d for d in deps if d.startswith(("pipeline", "stages", "native"))], deps
+        return
     missing = [f for f in command_imports(stage["cmd"]) if not _covered(f, deps)]
     assert not missing, f"dvc.yaml stage {name!r} does not list {missing} (python -m pipeline.depgraph --update dvc.yaml)"
     for dep in deps:
