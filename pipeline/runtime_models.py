@@ -83,9 +83,11 @@ def model_kind(path: str | Path) -> tuple[str, str]:
     except ValueError:
         cfg = None
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
-    if model_type == "llama" and fmt in ("s3d8", "int8", "bf16"):
+    known = {f.name: f for f in (formats.get(n) for n in formats.names())}.get(fmt)
+    native = known is not None and known.native_kernel             # its packed bytes on the native kernels
+    if model_type == "llama" and known is not None and (native or known.layout is None):
         return "llama", fmt
-    if fmt == "s3d8" and model_type == "mllama":
+    if model_type == "mllama" and native:
         return "mllama", fmt
     raise RuntimeInputError(
         f"{path}: not a packed S3D8 model this runtime runs (metadata format={str(fmt)[:40]!r}, "

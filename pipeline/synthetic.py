@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline import formats as formats_registry
 from pipeline import gguf_import, layout
-from pipeline.quant import int8_activations
+from pipeline.formats import FormatBase
 from pipeline.safetensors_io import StreamingWriter
 
 BLOCK_ELEMS = 1 << 25          # weights generated at a time (128 MiB of float32)
@@ -118,28 +119,47 @@ def block_rows(shape: tuple[int, int]) -> int:
     return max(layout.GROUP, BLOCK_ELEMS // shape[1] // layout.GROUP * layout.GROUP)
 
 
-def _specs(fmt: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def _specs(fmt: FormatBase, state: dict, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, torch.dtype, tuple]]:
+    """The file's tensors: norms in float32, 2-D weights as ``fmt`` packs them (bf16 as they are)."""
     out = []
     for name, shape in shapes.items():
         if len(shape) == 1:
             out.append((name, torch.float32, shape))
-        elif fmt == "s3d8":
-            rows, cols = layout.packed_shape(*shape)
-            out += [(f"{name}.packed", torch.uint8, (rows * cols,)), (f"{name}.scale", torch.bfloat16, (shape[0], 1)),
-                    (f"{name}.table", torch.int8, layout.TABLE_SHAPE)]
-        elif fmt == "int8":
-            out += [(f"{name}.int8", torch.int8, shape), (f"{name}.scale", torch.bfloat16, (shape[0], 1))]
-        else:
+        elif fmt.layout is None:
             out.append((name, torch.bfloat16, shape))
+        else:
+            out += [(f"{name}.{s}", dt, tuple(sh)) for s, (dt, sh) in fmt.packed_specs(shape, state).items()]
     return out
+
+
+class _WeightWriter:
+    """One weight of one file from its row blocks: its format's first packed tensor (or the bf16 weight) streamed
+    block by block, the others (row scales: concatenated; a table: written once) after it."""
+
+    def __init__(self, writer: StreamingWriter, fmt: FormatBase, state: dict, name: str, shape) -> None:
+        self.writer, self.fmt, self.state, self.name = writer, fmt, state, name
+        self.specs = fmt.packed_specs(shape, state) if fmt.layout is not None else {}
+        self.held: dict[str, list[torch.Tensor]] = {s: [] for s in list(self.specs)[1:]}
+
+    def block(self, block: torch.Tensor) -> None:
+        if self.fmt.layout is None:
+            self.writer.write_part(self.name, block.to(torch.bfloat16))
+            return
+        t = self.fmt.pack(block, self.state)
+        first = next(iter(self.specs))
+        self.writer.write_part(f"{self.name}.{first}", t[first])
+        for s in self.held:
+            self.held[s].append(t[s])
+
+    def finish(self) -> None:
+        for s, parts in self.held.items():
+            rows = sum(p.shape[0] for p in parts)
+            self.writer.write(f"{self.name}.{s}", torch.cat(parts) if rows == self.specs[s][1][0] else parts[0])
 
 
 def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int = 0,
                     formats: tuple[str, ...] = FORMATS, progress=None) -> dict[str, Path]:
     """Write ``out_dir/<preset>/<fmt>.safetensors`` for each format in one pass; returns the paths."""
-    from pipeline import native
-    from pipeline.formats.s3d8 import fit_centroids
-
     cfg = llama_config(preset).to_dict() if isinstance(preset, str) else preset
     name = preset if isinstance(preset, str) else "custom"
     cfg["architectures"] = ["LlamaForCausalLM"]
@@ -147,23 +167,19 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
     folder = Path(out_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
     paths = {f: folder / f"{f}.safetensors" for f in formats}
-    table = None
-    if "s3d8" in formats:   # one table per model, from a sample of the first attention weight
-        first = "model.layers.0.self_attn.q_proj.weight"
-        s = _Synth(first, shapes[first], seed)
-        table = fit_centroids(s.rows(0, min(shapes[first][0], block_rows(shapes[first]))), seed=seed,
-                              max_vectors=1 << 16)
+    fmts = {f: formats_registry.get(f) for f in formats}
+    first = "model.layers.0.self_attn.q_proj.weight"      # one state per model (S3D8: a table), fitted on a sample
+    sample = _Synth(first, shapes[first], seed).rows(0, min(shapes[first][0], 96))    # of the first attention weight
+    states = {f: fmt.fit(sample, seed=seed) if fmt.layout is not None else {} for f, fmt in fmts.items()}
     writers = {}
-    for f in formats:
-        meta = {"format": f, "layout": {"s3d8": layout.NAME, "int8": "s3d8-pipeline-int8-rows-v1",
-                                        "bf16": "bf16"}[f],
+    for f, fmt in fmts.items():
+        meta = {"format": f, "layout": fmt.layout or f,
                 "config": json.dumps(cfg, sort_keys=True, default=str),
                 "shapes": json.dumps({k: list(v) for k, v in shapes.items() if len(v) == 2}, sort_keys=True),
                 "synthetic": json.dumps({"preset": name, "seed": seed, "student_df": STUDENT_DF,
-                                         "row_sigma": ROW_SIGMA, "col_sigma": COL_SIGMA, "base_std": BASE_STD})}
-        if f == "s3d8":
-            meta["llama_mobile_format"] = layout.NAME
-        writers[f] = StreamingWriter(paths[f], _specs(f, shapes), meta)
+                                         "row_sigma": ROW_SIGMA, "col_sigma": COL_SIGMA, "base_std": BASE_STD}),
+                **fmt.file_metadata()}
+        writers[f] = StreamingWriter(paths[f], _specs(fmt, states[f], shapes), meta)
     ok = False
     try:
         for tname, shape in shapes.items():
@@ -176,25 +192,14 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
                     w.write(tname, v)
                 continue
             rows = block_rows(shape)
-            scales = {f: [] for f in formats}
-            for r0 in range(0, shape[0], rows):
+            parts = [_WeightWriter(w, fmts[f], states[f], tname, shape) for f, w in writers.items()]
+            for r0 in range(0, shape[0], rows):        # a block drawn once, packed in every format
                 block = s.rows(r0, min(r0 + rows, shape[0]))
-                if "s3d8" in writers:
-                    packed, sc = native.s3d8_encode(block, table)
-                    writers["s3d8"].write_part(f"{tname}.packed", packed)
-                    scales["s3d8"].append(sc)
-                if "int8" in writers:
-                    q, sc = int8_activations(block)     # the INT8 format's rows: the one quantiser
-                    writers["int8"].write_part(f"{tname}.int8", q)
-                    scales["int8"].append(sc)
-                if "bf16" in writers:
-                    writers["bf16"].write_part(tname, block.to(torch.bfloat16))
+                for part in parts:
+                    part.block(block)
                 del block
-            for f in ("s3d8", "int8"):
-                if f in writers:
-                    writers[f].write(f"{tname}.scale", torch.cat(scales[f]))
-            if "s3d8" in writers:
-                writers["s3d8"].write(f"{tname}.table", table)
+            for part in parts:
+                part.finish()
         ok = True
     finally:
         for w in writers.values():
