@@ -231,3 +231,32 @@ def test_import_pipeline_stays_cheap():
     proc = subprocess.run([sys.executable, "-c", "import sys, pipeline; print('transformers' in sys.modules)"],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_a_precision_plan_loads_through_transformers_and_saves_back(teacher, tmp_path):
+    """A directory whose token embedding and down projections are INT8 (the rest S3D8): quantization_config.formats
+    says so, from_pretrained loads each weight in its format (the QAT forward's numbers with kernel torch, the
+    native kernels by default) and save_pretrained writes the same bytes back."""
+    from pipeline.native import Int8Linear, S3D8Linear
+    from pipeline.precision import Precision
+
+    fmt = formats.get("s3d8")
+    states, _ = fit_model(fmt, str(teacher))
+    plan = Precision(fmt, {r"embed_tokens$": "int8", r"mlp\.down_proj$": "int8"})
+    other = {n: f for n in states if (f := plan.format_of(n)) is not fmt}
+    out = tmp_path / "mixed"
+    write_model_dir(out, CheckpointReader(teacher), fmt, states, teacher_dir=teacher, method="direct-cast",
+                    base_model=str(teacher), teacher_name="toy-mllama", other=other,
+                    metadata={"config": load_config(str(teacher)).to_dict(), "method": "direct-cast"})
+    saved = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert saved["formats"] == {f"{n}.weight": "int8" for n in other} and other
+    reference = load_packed_model(out / "model.safetensors")
+    model = from_pretrained(out, dtype=torch.float32, quantization_config=PackedQuantConfig(kernel="torch"))
+    x = inputs(model.config)
+    with torch.no_grad():
+        assert torch.equal(model(**x).logits, reference(**x).logits)
+    native = from_pretrained(out)
+    layer = native.model.language_model.layers[0].mlp
+    assert isinstance(layer.down_proj, Int8Linear) and isinstance(layer.up_proj, S3D8Linear)
+    native.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
