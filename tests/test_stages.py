@@ -186,6 +186,42 @@ def test_qat_from_the_ptq_point_with_learned_scales_and_a_table_refit(chain, tmp
         assert torch.equal(fmt.unpack(tensors, tuple(w.shape)), want), name
 
 
+def test_a_precision_plan_and_the_sequential_cast_through_the_stages(chain, tmp_path, teacher):
+    """calibrate.sequential (the teacher's answers as calibration) and pack.precision (the token embedding and the
+    down projections INT8) through direct-cast, qat-train (learned scales on every format) and pack-safetensors:
+    each packed weight in its planned format, the direct cast's INT8 weights are INT8's own absmax cast, the QAT
+    student's decode to its fake-quant forward, and the packed models load."""
+    import torch
+
+    from pipeline import formats
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed import load_packed_model, read_metadata
+
+    rules = {r"embed_tokens$": "int8", r"mlp\.down_proj$": "int8"}
+    cwd = workdir(tmp_path, teacher, **{"calibrate.sequential": True, "pack.precision": rules, "qat.init": "ptq",
+                                        "qat.learn_scales": True})
+    for part in ("data/teacher", "data/centroids", "data/calibration"):
+        shutil.copytree(chain / part, cwd / part)
+    for stage in ("direct_cast.py", "qat_train.py", "pack_safetensors.py"):
+        run_stage(cwd, stage, "--format", "s3d8")
+    int8, teacher_w = formats.get("int8"), CheckpointReader(teacher)
+    for method in ("direct-cast", "qat"):
+        file = cwd / f"models/packed/s3d8/{method}/model.safetensors"
+        planned = json.loads(read_metadata(file)["formats"])
+        assert planned and set(planned.values()) == {"int8"}
+        assert any("embed_tokens" in k for k in planned) and all(k.endswith(("embed_tokens.weight",
+                                                                              "down_proj.weight")) for k in planned)
+        packed = safe_open(str(file), "pt")
+        for name in planned:
+            tensors = {s: packed.get_tensor(f"{name}.{s}") for s in int8.suffixes}
+            w = teacher_w.get(name).float()
+            if method == "direct-cast":
+                assert torch.equal(int8.unpack(tensors, tuple(w.shape)), int8.quantize(w, {})), name
+        load_packed_model(file)
+    config = json.loads((cwd / "models/packed/s3d8/qat/config.json").read_text())
+    assert config["quantization_config"]["formats"] == planned
+
+
 def test_every_stage_has_help_without_side_effects(tmp_path):
     for script in sorted(STAGES.glob("*.py")):
         if script.name == "__init__.py":
