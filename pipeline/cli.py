@@ -125,8 +125,8 @@ def pack_model(args) -> dict:
             summary = write_packed(out, CheckpointReader(source), fmt, states, dtype=dtype_of(args.dtype),
                                    metadata=metadata, encode=encode, other=other)
     seconds = time.perf_counter() - began
-    print(f"{out}: {summary['file_bytes']} bytes, {summary['bits_per_param_actual']:.3f} bits per quantised "
-          f"weight ({plan.describe()}), cast in {seconds:.0f} s")
+    print(f"{out}: {summary['file_bytes']} bytes, {summary['bits_per_param_actual']:.3f} bits/param over the "
+          f"quantised weights ({plan.describe()}), cast in {seconds:.0f} s")
     held_out = _held_out_line(local_dir(args.model), out, tokenizer, args.eval_tokens, args.window) \
         if args.eval_tokens else None
     return {"summary": summary, "held_out": held_out, "seconds": seconds, "plan": plan.describe()}
