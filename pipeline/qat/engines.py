@@ -147,7 +147,7 @@ class AccelerateEngine:
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
 
-    def save_student(self, student, processor, out_dir, quantiser_state):
+    def save_student(self, student, processor, out_dir, quantiser_state, fmt_name: str):
         if not self.accelerator.is_main_process:
             return None
         model = self.accelerator.unwrap_model(student)
@@ -157,7 +157,7 @@ class AccelerateEngine:
         with atomic_dir(out_dir) as tmp:
             model.save_pretrained(tmp, state_dict={k: v for k, v in state.items() if not k.endswith(".qat_log2_scale")})
             processor.save_pretrained(tmp)
-            write_tensors(tmp / QAT_STATE, tensors, {"format": next(iter(modules.values())).format.name})
+            write_tensors(tmp / QAT_STATE, tensors, {"format": fmt_name})
         return refit
 
     def finish(self, checkpoint: Path) -> None:
@@ -239,7 +239,7 @@ class FSDP2Engine:
     def barrier(self) -> None:
         torch.distributed.barrier()
 
-    def save_student(self, student, processor, out_dir, quantiser_state):
+    def save_student(self, student, processor, out_dir, quantiser_state, fmt_name: str):
         state = self.d.full_state_dict(student)          # collective; rank 0 holds it, on CPU
         refit = None
         if self.rank == 0:
@@ -249,7 +249,7 @@ class FSDP2Engine:
                 self.template.save_pretrained(tmp, state_dict={k: v for k, v in state.items()
                                                                if not k.endswith(".qat_log2_scale")})
                 processor.save_pretrained(tmp)
-                write_tensors(tmp / QAT_STATE, tensors, {"format": next(iter(modules.values())).format.name})
+                write_tensors(tmp / QAT_STATE, tensors, {"format": fmt_name})
         del state
         self.barrier()
         return refit

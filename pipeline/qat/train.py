@@ -170,7 +170,7 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     summary = {}
     refit = engine.save_student(student, processor, out_dir,
                                 lambda weights, scales, mods: _quantiser_state(fmt, p, names, weights, scales, mods,
-                                                                               importance))
+                                                                               importance), fmt.name)
     if main:
         first = history[0]["kl"] if history else float("nan")
         last = sum(r["kl"] for r in history[-10:]) / max(len(history[-10:]), 1)
