@@ -199,6 +199,13 @@ def _collect(model, batches, names, fn) -> dict[str, torch.Tensor]:
         if missing:
             raise ValueError(f"names: not nn.Linear modules of the model: {missing[:5]}")
         linears = {n: linears[n] for n in names}
+    return input_sums(lambda: _run(model, batches), linears, fn)
+
+
+def input_sums(run, linears: dict[str, torch.nn.Linear], fn) -> dict[str, torch.Tensor]:
+    """``sum fn(X) / n_rows`` (float32, summed in float64) of each Linear's inputs ``X`` (rows of ``d_in``) while
+    ``run()`` runs, from forward pre-hooks; modules never called are absent. ``pipeline.sequential`` takes each
+    block's ``X^T X`` with it."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {n: 0 for n in linears}
 
@@ -212,7 +219,8 @@ def _collect(model, batches, names, fn) -> dict[str, torch.Tensor]:
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     try:
-        _run(model, batches)
+        with torch.no_grad():
+            run()
     finally:
         for handle in handles:
             handle.remove()

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from pipeline import ptq
 from pipeline.models import quantised_weight_names
 
 Cast = Callable[[str, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -148,25 +149,8 @@ def _linear_groups(block: nn.Module, calls) -> list[list[str]]:
 
 
 def hessians(run: Callable[[], None], modules: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
-    """``X^T X / n_rows`` (float32) of each Linear's inputs while ``run()`` runs, summed in float64."""
-    sums: dict[str, torch.Tensor] = {}
-    counts = dict.fromkeys(modules, 0)
-
-    def hook(name):
-        def pre(module, args):
-            x = args[0].detach().reshape(-1, module.in_features).double()
-            sums[name] = x.T @ x if name not in sums else sums[name] + x.T @ x
-            counts[name] += x.shape[0]
-        return pre
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    return {n: (sums[n] / counts[n]).float() for n in modules if counts[n]}
+    """``X^T X / n_rows`` (float32) of each Linear's inputs while ``run()`` runs (``ptq.input_sums``)."""
+    return ptq.input_sums(run, modules, lambda x: x.T @ x)
 
 
 def cast_sequentially(model: nn.Module, inputs: Sequence[dict], cast: Cast,
