@@ -335,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", add_help=False,
                        help="generate with pipeline.runtime (`s3d8 generate --help` for its options)")
     p.set_defaults(func=None)
+    p = sub.add_parser("serve", add_help=False,
+                       help="serve a packed model behind an OpenAI-compatible HTTP API (`s3d8 serve --help`)")
+    p.set_defaults(func=None)
     return parser
 
 
@@ -352,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv and argv[0] == "generate":
         return cmd_generate(None, argv[1:])
+    if argv and argv[0] == "serve":
+        from pipeline import serve
+
+        return serve.main(argv[1:])
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -101,31 +101,31 @@ def _finish(tokens, prompt_tokens, t0, stamps) -> Result:
     return Result(tokens, prompt_tokens, stamps[0] - t0, stamps[-1] - stamps[0], stamps)
 
 
+def begin(model, inputs: dict, positions: int):
+    """The prompt's forward: ``(logits of its last position, advance)``, ``advance(token, pos)`` the logits of
+    ``token`` at ``pos`` (one C call). ``model``: a :class:`LeanLlama` (its cache grown to ``positions`` if
+    smaller) or a packed HF Mllama (a C decoder with caches of ``positions`` built from the prompt's)."""
+    ids = inputs["input_ids"].reshape(-1)
+    if isinstance(model, LeanLlama):
+        if positions > model.max_len:
+            model.allocate(positions)
+        return model.forward(ids, 0), lambda tok, pos: model.forward(torch.tensor([tok]), pos)
+    kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+    cam = kwargs.pop("cross_attention_mask", None)
+    out = model(**kwargs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)
+    native = mllama_step(model, out.cache, positions, cam)
+    return out.logits[0, -1], native.step
+
+
 def lean_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling = Sampling(), *,
                   eos: set[int] | None = None, on_token=None) -> Result:
     """Our loop: a :class:`LeanLlama`, or an HF model (Mllama) driven directly with its cache."""
     gen = torch.Generator().manual_seed(sampling.seed)
-    ids = inputs["input_ids"].reshape(-1)
-    n = ids.numel()
+    n = inputs["input_ids"].numel()
     tokens, stamps = [], []
     t0 = time.perf_counter()
     with torch.inference_mode():
-        if isinstance(model, LeanLlama):
-            if n + max_new_tokens > model.max_len:
-                model.allocate(n + max_new_tokens)
-            logits = model.forward(ids, 0)
-
-            def advance(tok: int, step: int) -> torch.Tensor:
-                return model.forward(torch.tensor([tok]), n + step)
-        else:
-            kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
-            cam = kwargs.pop("cross_attention_mask", None)
-            out = model(**kwargs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)
-            logits = out.logits[0, -1]
-            native = mllama_step(model, out.cache, n + max_new_tokens, cam)
-
-            def advance(tok: int, step: int) -> torch.Tensor:
-                return native.step(tok, n + step)
+        logits, advance = begin(model, inputs, n + max_new_tokens)
         for step in range(max_new_tokens):
             tok = pick(logits, sampling, gen)
             tokens.append(tok)
@@ -134,7 +134,7 @@ def lean_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling =
                 on_token(tok)
             if (eos and tok in eos) or step == max_new_tokens - 1:
                 break
-            logits = advance(tok, step)
+            logits = advance(tok, n + step)
     return _finish(tokens, n, t0, stamps)
 
 
@@ -284,6 +284,19 @@ def eos_ids(model, processor) -> set[int]:
     return {int(e) for e in eos + extra if e is not None}
 
 
+def stop_tokens(model, processor) -> set[int]:
+    """What generation stops at: a lean Llama's config EOS, plus the processor's (:func:`eos_ids`) where there is
+    one."""
+    eos = {t for t in model.eos if t is not None} if isinstance(model, LeanLlama) else set()
+    if processor is not None and hasattr(model, "generation_config"):
+        eos |= eos_ids(model, processor)
+    elif processor is not None:
+        from pipeline.chat import tokenizer_of
+
+        eos |= {t for t in (tokenizer_of(processor).eos_token_id,) if t is not None}
+    return eos
+
+
 class TextStream:
     """Prints generated tokens as text as they come, as ``detok(tokens)`` of all so far (a character split
     over tokens is printed once complete); stop tokens are not printed."""
@@ -378,13 +391,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.runtime"
     except (ValueError, OSError) as e:         # RuntimeInputError, and what reading the files raises
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
-    eos = {t for t in model.eos if t is not None} if isinstance(model, LeanLlama) else set()
-    if processor is not None and hasattr(model, "generation_config"):
-        eos |= eos_ids(model, processor)
-    elif processor is not None:
-        from pipeline.chat import tokenizer_of
-
-        eos |= {t for t in (tokenizer_of(processor).eos_token_id,) if t is not None}
+    eos = stop_tokens(model, processor)
     sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
     stream = TextStream(detok, eos)

@@ -4,6 +4,7 @@ Llama decoder (:class:`LeanLlama`), Hugging Face's Llama and the packed S3D8 Mll
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import mmap
@@ -200,6 +201,13 @@ class LeanLlama:
         self.v_cache = torch.zeros_like(self.k_cache)
         self.cos, self.sin_rolled = decode_step.rope_tables(self.inv_freq, self.rope_scaling, max_len)
         self.native = self.native_step()
+
+    def session(self, max_len: int) -> "LeanLlama":
+        """Another sequence over the same weights: a shallow copy with its own KV cache of ``max_len`` positions
+        and its own C decoder (what ``s3d8 serve`` gives each request)."""
+        other = copy.copy(self)
+        other.allocate(max_len)
+        return other
 
     def native_step(self, stub_products: bool = False) -> decode_step.DecodeStep:
         """The C decoder over this model's weights and caches (``stub_products``: see :mod:`pipeline.decode_step`)."""
