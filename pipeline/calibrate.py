@@ -13,8 +13,10 @@ the GPU when there is one; host memory is then the teacher while it loads plus o
 
 What the teacher reads (``calibrate.source``): ``teacher-answers`` (the training prompts with the teacher's answers,
 images included: the only source for a vision model's image path), ``corpus`` (the part of the project's English
-prose corpus that perplexity is never measured on, :func:`pipeline.eval.text.corpus_text` ``"rest"``) or
-``file:PATH`` (a UTF-8 text file of the user's), the text cut into ``n_prompts`` windows of ``max_seq_len`` tokens.
+prose corpus that perplexity is never measured on, :func:`pipeline.eval.text.corpus_text` ``"rest"``),
+``file:PATH`` (a UTF-8 text file of the user's), the text cut into ``n_prompts`` windows of ``max_seq_len`` tokens,
+or ``self``: ``n_prompts`` sequences of ``max_seq_len`` tokens the teacher samples itself from its BOS token
+(temperature 1, seeded; no data needed, but on SmolLM2 it calibrated far worse than real prose: README).
 With ``calibrate.sequential`` the direct cast takes each matrix's ``X^T X`` from the partly cast model itself
 (:mod:`pipeline.sequential`, over the same :func:`calibration_inputs`); this stage's teacher matrices then serve the
 QAT table refit only.
@@ -60,7 +62,7 @@ class Calibration:
             return f.get_tensor(name)
 
 
-TEXT_SOURCES = ("teacher-answers", "corpus")
+TEXT_SOURCES = ("teacher-answers", "corpus", "self")
 
 
 def check_source(source: str) -> str:
@@ -78,7 +80,7 @@ class CalibrateParams:
     seed: int
     threads: int = non_negative()          # torch intra-op threads (0: torch's default)
     hessian_memory_gb: float = positive()  # float64 sums held at once; beyond, more passes over the prompts
-    source: str                            # teacher-answers | corpus | file:PATH
+    source: str                            # teacher-answers | corpus | self | file:PATH
     sequential: bool                       # the direct cast's X^T X from the partly cast model (GPTQ's order)
 
     def __post_init__(self) -> None:
@@ -92,12 +94,37 @@ def calibration_fingerprint(p: CalibrateParams, teacher_data: str) -> list:
         return [chosen, [file_hash(s) for s in shard_paths(teacher_data)]]
     if p.source == "corpus":
         return [chosen, corpus_info("rest")["sha256"]]
+    if p.source == "self":
+        return [chosen, SELF_TEXT]
     return [chosen, file_hash(p.source[len("file:"):])]
 
 
+SELF_TEXT = "sampled from BOS, temperature 1, one torch.Generator seeded by calibrate.seed (v1)"
+
+
+def self_text(model, tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` sequences of ``length`` tokens the teacher samples from its BOS token, one seeded generator for all
+    (its end-of-text token is a token like any other here: the windows keep their length)."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    lm = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    head = model.get_output_embeddings()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.full((n, 1), bos, dtype=torch.long)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = lm(input_ids=ids.to(device), use_cache=True)
+        for _ in range(length - 1):
+            logits = head(out.last_hidden_state[:, -1]).float().cpu()
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+            ids = torch.cat([ids, nxt], 1)
+            out = lm(input_ids=nxt.to(device), cache=out.cache, use_cache=True)
+    return ids.tolist()
+
+
 def calibration_inputs(p: CalibrateParams, processor, teacher_data: str, heldout: int, vocab: int,
-                       pool: str | None = None) -> list[dict]:
-    """The calibration sequences as model inputs (CPU, one sequence each, no padding), from ``p.source``."""
+                       pool: str | None = None, teacher=None) -> list[dict]:
+    """The calibration sequences as model inputs (CPU, one sequence each, no padding), from ``p.source``
+    (``self``: sampled by ``teacher``, the unquantised model)."""
     if p.source == "teacher-answers":
         train, _ = split_heldout(load_examples(teacher_data, vocab), heldout)
         if not train:
@@ -105,6 +132,12 @@ def calibration_inputs(p: CalibrateParams, processor, teacher_data: str, heldout
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(p.seed)).tolist()
         chosen = [train[i] for i in sorted(order[:p.n_prompts])]
         return [collate([e], processor, p.max_seq_len, pool) for e in chosen]
+    if p.source == "self":
+        if teacher is None:
+            raise ValueError("calibrate.source self: the teacher must be given to sample from")
+        windows = self_text(teacher, tokenizer_of(processor), p.n_prompts, p.max_seq_len, p.seed)
+        return [{"input_ids": torch.tensor([w]), "attention_mask": torch.ones(1, len(w), dtype=torch.long)}
+                for w in windows]
     if p.source == "corpus":
         text, what = corpus_text("rest"), f"calibration corpus {CORPUS}"
     else:
@@ -128,7 +161,7 @@ def calibrate(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, hel
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = load_model(teacher.dir, dtype_of(teacher.dtype)).to(device)
     processor = load_processor(teacher.dir)
-    chosen = calibration_inputs(p, processor, teacher_data, heldout, token_ids(model.config), pool)
+    chosen = calibration_inputs(p, processor, teacher_data, heldout, token_ids(model.config), pool, teacher=model)
     names = {m: saved.removesuffix(".weight") for m, saved in quantised_weight_names(model).items()
              if isinstance(model.get_submodule(m), torch.nn.Linear)}
     modules = sorted(names, key=names.get)                      # the file's order

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 inputs = [model_inputs(e, model.dtype, on)
                           for e in calibration_inputs(cal, load_processor(teacher.dir), args.teacher_data,
                                                       doc["heldout_prompts"], token_ids(model.config),
-                                                      doc["sample"].images)]
+                                                      doc["sample"].images, teacher=model)]
                 bar.update(task, total=len(names))
                 direct_cast.cast_in_order(plan, model, inputs, fitted, method, staging, fp,
                                           on_matrix=lambda: bar.advance(task))

@@ -241,3 +241,28 @@ def test_sequential_cast_walks_mllamas_vision_and_text_layers():
     without = sorted(n for n, has in seen.items() if not has)
     assert without and all("embed" in n for n in without), without
     assert any(seen[n] for n in seen if "cross_attn" in n) and any(seen[n] for n in seen if "global_transformer" in n)
+
+
+def test_self_generated_calibration_text_is_seeded_and_full_length():
+    from types import SimpleNamespace
+
+    from pipeline.calibrate import CalibrateParams, calibration_inputs
+
+    model = tiny_llama(tied=True)
+    tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+    p = CalibrateParams(n_prompts=3, max_seq_len=10, seed=4, threads=0, hessian_memory_gb=1.0, source="self",
+                        sequential=True)
+    a = calibration_inputs(p, tokenizer, "unused", 0, model.config.vocab_size, teacher=model)
+    b = calibration_inputs(p, tokenizer, "unused", 0, model.config.vocab_size, teacher=model)
+    assert len(a) == 3 and all(x["input_ids"].shape == (1, 10) and x["input_ids"][0, 0] == 1 for x in a)
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
+    p.seed = 5
+    c = calibration_inputs(p, tokenizer, "unused", 0, model.config.vocab_size, teacher=model)
+    assert not all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, c))
+    with torch.no_grad():        # the samples are the teacher's: its own next-token distribution, not noise
+        logp = torch.log_softmax(model(a[0]["input_ids"]).logits[0, :-1], -1)
+        drawn = logp.gather(1, a[0]["input_ids"][0, 1:, None]).mean()
+        uniform = logp.mean()
+    assert drawn > uniform
+    with pytest.raises(ValueError, match="teacher must be given"):
+        calibration_inputs(p, tokenizer, "unused", 0, model.config.vocab_size)
