@@ -126,7 +126,8 @@ def pack_model(args) -> dict:
                                    metadata=metadata, encode=encode, other=other)
     seconds = time.perf_counter() - began
     print(f"{out}: {summary['file_bytes']} bytes, {summary['bits_per_param_actual']:.3f} bits/param over the "
-          f"quantised weights ({plan.describe()}), cast in {seconds:.0f} s")
+          f"quantised weights ({plan.describe()}; bits per weight: whole model {summary['bits_per_weight_whole']:.2f}, "
+          f"decoder Linears {summary['bits_per_weight_linears']:.2f}), cast in {seconds:.0f} s")
     held_out = _held_out_line(local_dir(args.model), out, tokenizer, args.eval_tokens, args.window) \
         if args.eval_tokens else None
     return {"summary": summary, "held_out": held_out, "seconds": seconds, "plan": plan.describe()}

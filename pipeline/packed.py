@@ -97,7 +97,32 @@ def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, sta
     size = Path(out).stat().st_size
     return {"format": fmt.name, "file_bytes": size, "quantised_params": n_quantised,
             "bits_per_param_nominal": float(meta["bits_per_param_nominal"]),
-            "bits_per_param_actual": float(meta["bits_per_param_actual"])}
+            "bits_per_param_actual": float(meta["bits_per_param_actual"]),
+            **bits_two_ways(specs, shapes, {n: fmt_of[quantised[n]] for n in shapes})}
+
+
+def is_vocabulary(name: str) -> bool:
+    """The token embedding and the output head: what the paper's bits per weight leave out."""
+    return "embed_tokens" in name or name.startswith("lm_head")
+
+
+def bits_two_ways(specs, shapes: dict[str, list[int]], fmt_of: dict) -> dict[str, float]:
+    """Bits per weight as stored (tables, scales and padding included): ``bits_per_weight_whole`` over every
+    weight matrix of the file (2-D or more; the quantised ones, the token embedding and a tied head once, and any
+    kept in bf16 at their bytes), ``bits_per_weight_linears`` over the quantised matrices outside the vocabulary
+    (:func:`is_vocabulary`), the paper's accounting."""
+    whole_bits = whole_n = lin_bits = lin_n = 0
+    for name, s in shapes.items():
+        bits, n = 8 * fmt_of[name].storage_bytes(tuple(s)), torch.Size(s).numel()
+        whole_bits, whole_n = whole_bits + bits, whole_n + n
+        if not is_vocabulary(name):
+            lin_bits, lin_n = lin_bits + bits, lin_n + n
+    for name, dt, shape in specs:
+        if name not in shapes and len(shape) >= 2 and dt.is_floating_point and name.rpartition(".")[0] not in shapes:
+            whole_bits, whole_n = whole_bits + 8 * dt.itemsize * torch.Size(shape).numel(), whole_n + \
+                torch.Size(shape).numel()
+    return {"bits_per_weight_whole": round(whole_bits / max(whole_n, 1), 4),
+            "bits_per_weight_linears": round(lin_bits / max(lin_n, 1), 4)}
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:

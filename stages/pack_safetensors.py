@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
                                   **{k: v for k, v in summary.items() if k not in ("format", "files")}}
                 console.print(f"[green]pack-safetensors[/] {fmt.name} {method}: {report[method]['size_mb']:.2f} MB, "
                               f"{summary['bits_per_param_nominal']:.3f} bits/param nominal, "
-                              f"{summary['bits_per_param_actual']:.3f} actual")
+                              f"{summary['bits_per_param_actual']:.3f} actual; bits per weight: whole model "
+                              f"{summary['bits_per_weight_whole']:.3f}, decoder Linears "
+                              f"{summary['bits_per_weight_linears']:.3f}")
         write_json(f"reports/pack/{fmt.name}.json", report)
 
 

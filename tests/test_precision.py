@@ -96,6 +96,13 @@ def test_mixed_file_loads_each_weight_in_its_format(tiny_checkpoint, tmp_path):
     meta = read_metadata(out)
     assert json.loads(meta["formats"]) == {f"{n}.weight": "int8" for n in other}
     assert 2.6 < summary["bits_per_param_actual"] < 8.2
+    int8_rows = {n for n in other if other[n] is INT8}
+    lin = [n for n in states if "embed_tokens" not in n and not n.startswith("lm_head")]
+    shapes = {n: tuple(reader.shape(f"{n}.weight")) for n in states}
+    stored = {n: (INT8 if n in int8_rows else S3D8).storage_bytes(shapes[n]) for n in states}
+    numel = {n: torch.Size(shapes[n]).numel() for n in states}
+    assert summary["bits_per_weight_linears"] == round(8 * sum(stored[n] for n in lin) / sum(numel[n] for n in lin), 4)
+    assert summary["bits_per_weight_whole"] > summary["bits_per_weight_linears"]
     packed = load_packed_model(out)
     qat = load_model(str(tiny_checkpoint), torch.float32)
     by_module = {m: st for m, st in states_by_module(qat, states).items()}
