@@ -93,6 +93,10 @@ size_t s3d8_decoder_work_bytes(const s3d8_decoder *d);
 int s3d8_decoder_check(const s3d8_decoder *d, size_t *where);
 int s3d8_decoder_step(int v, int threads, const s3d8_decoder *d, int64_t token, size_t pos,
                       float *logits);
+size_t s3d8_decoder_batch_work_bytes(const s3d8_decoder *d, size_t count);
+int s3d8_decoder_step_batch(int v, int threads, const s3d8_decoder *const *ds, size_t count,
+                            const int64_t *tokens, const size_t *pos, float *const *logits,
+                            void *batch_work);
 int s3d8_linear_s3d8_at(int v, int threads, size_t m, size_t n, size_t k, uintptr_t x,
                         size_t x_stride, uintptr_t packed, uintptr_t table, uintptr_t w_scale,
                         uintptr_t y, size_t y_stride, uintptr_t work);

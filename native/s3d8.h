@@ -228,6 +228,16 @@ int s3d8_decoder_check(const s3d8_decoder *d, size_t *where);
  * an invalid variant, -4 for pos beyond a cache or the RoPE tables, -5 for a token out of range. */
 int s3d8_decoder_step(int v, int threads, const s3d8_decoder *d, int64_t token, size_t pos,
                       float *logits);
+/* Several sequences in one step: ds[0..count) share their weights (the same data pointers; each its own
+ * caches, RoPE tables and work area), tokens[r] at pos[r] of ds[r], logits[r] its output. Each weight is read
+ * once for all of them (one product of count rows); the rest is each sequence's step as above, so every row's
+ * logits are its one-sequence step's when the kernels give a row the same bits in a product of several rows.
+ * batch_work: s3d8_decoder_batch_work_bytes(ds[0], count) bytes, 64-byte aligned (NULL for count 1).
+ * Returns as s3d8_decoder_step; -4 also for decoders that do not share their weights. */
+size_t s3d8_decoder_batch_work_bytes(const s3d8_decoder *d, size_t count);
+int s3d8_decoder_step_batch(int v, int threads, const s3d8_decoder *const *ds, size_t count,
+                            const int64_t *tokens, const size_t *pos, float *const *logits,
+                            void *batch_work);
 
 /* Benchmark helper: reads n bytes in 64-byte chunks (with the kernels' software prefetch) and
  * returns a checksum, at the speed of the memory system; the bandwidth yardstick for the INT8 GEMV. */

@@ -120,6 +120,7 @@ int s3d8_decoder_check(const s3d8_decoder *d, size_t *where) {
 typedef struct {
     const s3d8_variant *var;
     const s3d8_weight *w;
+    size_t m;                /* input rows: 1, or a batch's sequences */
     const float *x;          /* bf16 weights: the float input */
     const int8_t *xq;        /* the others: the quantised input */
     const float *xs;
@@ -131,7 +132,7 @@ typedef struct {
 
 static void product_init(product *p, const s3d8_variant *var, const s3d8_weight *w, const float *x,
                          const int8_t *xq, float *y) {
-    p->var = var, p->w = w, p->x = x, p->xq = xq, p->y = y;
+    p->var = var, p->w = w, p->x = x, p->xq = xq, p->y = y, p->m = 1;
     p->xs = (const float *)(const void *)(xq + S3D8_LHS_STRIDE(w->k));
     p->xsum = (const int32_t *)(const void *)(p->xs + 1);
     p->units = w->kind == S3D8_W_S3D8 ? S3D8_GROUPS(w->n) : w->n;
@@ -143,14 +144,14 @@ static void product_range(const product *p, size_t b, size_t e) {
     size_t k = w->k;
     if (w->kind == S3D8_W_S3D8) {
         size_t n = MIN(3 * e, w->n) - 3 * b;
-        p->var->matmul_s3d8(1, n, k, p->xq, S3D8_LHS_STRIDE(k), p->xs, p->xsum,
+        p->var->matmul_s3d8(p->m, n, k, p->xq, S3D8_LHS_STRIDE(k), p->xs, p->xsum,
                             (const uint8_t *)w->data + b * S3D8_PAD16(k), p->luts, w->scale + 3 * b,
                             p->y + 3 * b, w->n);
     } else if (w->kind == S3D8_W_QSI8) {
-        p->var->matmul_qsi8(1, e - b, k, p->xq, S3D8_LHS_STRIDE(k), p->xs, p->xsum,
+        p->var->matmul_qsi8(p->m, e - b, k, p->xq, S3D8_LHS_STRIDE(k), p->xs, p->xsum,
                             (const int8_t *)w->data + b * k, k, w->scale + b, p->y + b, w->n);
     } else {
-        p->var->matmul_bf16(1, e - b, k, p->x, k, (const uint16_t *)w->data + b * k, k, p->y + b, w->n);
+        p->var->matmul_bf16(p->m, e - b, k, p->x, k, (const uint16_t *)w->data + b * k, k, p->y + b, w->n);
     }
 }
 
@@ -407,71 +408,235 @@ WIDE static void silu_gate(size_t n, float *gate, const float *up) {
     for (size_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + exp_any(-gate[i])) * up[i];
 }
 
-/* ---- the step ---------------------------------------------------------------------------------- */
+/* ---- several sequences at once ----------------------------------------------------------------
+ *
+ * A batch is `count` decoders over the same weights (the same data pointers), each with its own caches and
+ * work area; their products run as one product of `count` rows (each weight read once for all of them), the
+ * rest per sequence exactly as one sequence alone. One sequence takes products() on its own work area: the
+ * one-token step is the batch of one. */
 
-static void mlp(const s3d8_decoder *d, const s3d8_layer *L, const s3d8_variant *var, int threads,
-                const areas *a) {
-    const s3d8_weight *gu[2] = {&L->gate, &L->up}, *down[1] = {&L->down};
-    float *gu_out[2] = {a->gate, a->up}, *down_out[1] = {a->y};
-    rms_norm(d->hidden, a->x, L->ln2, d->eps, a->h);
-    products(d, var, threads, a, a->h, gu, gu_out, 2);
-    silu_gate(L->gate.n, a->gate, a->up);
-    products(d, var, threads, a, a->gate, down, down_out, 1);
+typedef struct {
+    const s3d8_decoder *const *ds;
+    areas *a;                 /* each sequence's work area */
+    size_t count;
+    float *rows_x;            /* the batch's inputs [count, max k] and outputs [3][count, max n] */
+    float *rows_y;
+    int8_t *xq;               /* the quantised inputs: S3D8_LINEAR_WORK(count, max k) */
+    size_t max_n;
+} batch;
+
+static size_t max_n(const s3d8_decoder *d) {
+    size_t n = MAX(d->lm_head.n, d->hidden);
+    for (size_t i = 0; i < d->n_layers; i++) {
+        const s3d8_layer *L = &d->layers[i];
+        n = MAX(n, MAX(L->q.n, L->gate.n));
+    }
+    return n;
 }
 
-static void self_layer(const s3d8_decoder *d, const s3d8_layer *L, const s3d8_variant *var, int threads,
-                       const areas *a, size_t pos) {
+size_t s3d8_decoder_batch_work_bytes(const s3d8_decoder *d, size_t count) {
+    return ALIGN(count * max_k(d) * sizeof(float)) + ALIGN(3 * count * max_n(d) * sizeof(float)) +
+           ALIGN(S3D8_LINEAR_WORK(count, max_k(d)));
+}
+
+/* y[i][b] = W_i x[b] for the weights w[0..count) (selected: the sequences `sel`). */
+static void products_batch(const batch *B, const s3d8_variant *var, int threads, const size_t *sel, size_t m,
+                           float *const *x, const s3d8_weight *const *w, float *const *const *y, int count) {
+    const s3d8_decoder *d = B->ds[sel[0]];
+    if (m == 1) {
+        float *yy[3];
+        for (int i = 0; i < count; i++) yy[i] = y[i][0];
+        products(d, var, threads, &B->a[sel[0]], x[0], w, yy, count);
+        return;
+    }
+    if (d->stub_products) return;
+    size_t k = w[0]->k;
+    product ps[3];
+    int quantised = 0;
+    for (size_t r = 0; r < m; r++) memcpy(B->rows_x + r * k, x[r], k * sizeof(float));
+    for (int i = 0; i < count; i++) quantised |= w[i]->kind != S3D8_W_BF16;
+    float *xs = (float *)(void *)(B->xq + m * S3D8_LHS_STRIDE(k));
+    if (quantised) var->quant(m, k, B->rows_x, k, B->xq, S3D8_LHS_STRIDE(k), xs, (int32_t *)(void *)(xs + m));
+    for (int i = 0; i < count; i++) {
+        product_init(&ps[i], var, w[i], B->rows_x, B->xq, B->rows_y + (size_t)i * m * B->max_n);
+        ps[i].m = m;
+        ps[i].xs = xs;
+        ps[i].xsum = (const int32_t *)(const void *)(xs + m);
+    }
+    run_products(threads, ps, count);
+    for (int i = 0; i < count; i++)
+        for (size_t r = 0; r < m; r++)
+            memcpy(y[i][r], ps[i].y + r * w[i]->n, w[i]->n * sizeof(float));
+}
+
+#define EACH(r) for (size_t r = 0; r < m; r++)
+#define SEQ(r) const s3d8_decoder *d_##r = B->ds[sel[r]]; const areas *a_##r = &B->a[sel[r]]; \
+    const s3d8_layer *L_##r = &d_##r->layers[layer]; (void)L_##r;
+
+static void mlp(const batch *B, const size_t *sel, size_t m, size_t layer, const s3d8_variant *var, int threads) {
+    const s3d8_layer *L = &B->ds[sel[0]]->layers[layer];
+    const s3d8_weight *gu[2] = {&L->gate, &L->up}, *down[1] = {&L->down};
+    float *h[m], *gate[m], *up[m], *y[m];
+    EACH(r) {
+        SEQ(r)
+        rms_norm(d_r->hidden, a_r->x, L_r->ln2, d_r->eps, a_r->h);
+        h[r] = a_r->h, gate[r] = a_r->gate, up[r] = a_r->up, y[r] = a_r->y;
+    }
+    float *const *gu_out[2] = {gate, up}, *const *down_out[1] = {y};
+    products_batch(B, var, threads, sel, m, h, gu, gu_out, 2);
+    EACH(r) silu_gate(L->gate.n, gate[r], up[r]);
+    products_batch(B, var, threads, sel, m, gate, down, down_out, 1);
+}
+
+static void self_layer(const batch *B, const size_t *sel, size_t m, size_t layer, const s3d8_variant *var,
+                       int threads, const size_t *pos) {
+    const s3d8_decoder *d = B->ds[sel[0]];
+    const s3d8_layer *L = &d->layers[layer];
     size_t hd = d->head_dim, nkv = d->n_kv_heads;
     const s3d8_weight *qkv[3] = {&L->q, &L->k, &L->v}, *o[1] = {&L->o};
-    float *qkv_out[3] = {a->q, a->k, a->v}, *o_out[1] = {a->y};
-    rms_norm(d->hidden, a->x, L->ln1, d->eps, a->h);
-    products(d, var, threads, a, a->h, qkv, qkv_out, 3);
-    rope(a->q, d->n_heads, hd, d->cos + pos * hd, d->sin_rolled + pos * hd);
-    rope(a->k, nkv, hd, d->cos + pos * hd, d->sin_rolled + pos * hd);
-    for (size_t g = 0; g < nkv; g++) {
-        memcpy(L->k_cache + (g * L->cache_len + pos) * hd, a->k + g * hd, hd * sizeof(float));
-        memcpy(L->v_cache + (g * L->cache_len + pos) * hd, a->v + g * hd, hd * sizeof(float));
+    float *h[m], *q[m], *k[m], *v[m], *att[m], *y[m];
+    EACH(r) {
+        SEQ(r)
+        rms_norm(d_r->hidden, a_r->x, L_r->ln1, d_r->eps, a_r->h);
+        h[r] = a_r->h, q[r] = a_r->q, k[r] = a_r->k, v[r] = a_r->v, att[r] = a_r->att, y[r] = a_r->y;
     }
-    attention(d, L, threads, a, pos + 1);
-    products(d, var, threads, a, a->att, o, o_out, 1);
-    for (size_t i = 0; i < d->hidden; i++) a->x[i] = a->x[i] + a->y[i];
-    mlp(d, L, var, threads, a);
-    for (size_t i = 0; i < d->hidden; i++) a->x[i] = a->x[i] + a->y[i];
+    float *const *qkv_out[3] = {q, k, v}, *const *o_out[1] = {y};
+    products_batch(B, var, threads, sel, m, h, qkv, qkv_out, 3);
+    EACH(r) {
+        SEQ(r)
+        size_t p = pos[sel[r]];
+        rope(a_r->q, d_r->n_heads, hd, d_r->cos + p * hd, d_r->sin_rolled + p * hd);
+        rope(a_r->k, nkv, hd, d_r->cos + p * hd, d_r->sin_rolled + p * hd);
+        for (size_t g = 0; g < nkv; g++) {
+            memcpy(L_r->k_cache + (g * L_r->cache_len + p) * hd, a_r->k + g * hd, hd * sizeof(float));
+            memcpy(L_r->v_cache + (g * L_r->cache_len + p) * hd, a_r->v + g * hd, hd * sizeof(float));
+        }
+        attention(d_r, L_r, threads, a_r, p + 1);
+    }
+    products_batch(B, var, threads, sel, m, att, o, o_out, 1);
+    EACH(r) {
+        SEQ(r)
+        for (size_t i = 0; i < d_r->hidden; i++) a_r->x[i] = a_r->x[i] + a_r->y[i];
+    }
+    mlp(B, sel, m, layer, var, threads);
+    EACH(r) {
+        SEQ(r)
+        for (size_t i = 0; i < d_r->hidden; i++) a_r->x[i] = a_r->x[i] + a_r->y[i];
+    }
 }
 
-static void cross_layer(const s3d8_decoder *d, const s3d8_layer *L, const s3d8_variant *var, int threads,
-                        const areas *a) {
+static void cross_layer(const batch *B, const size_t *sel, size_t m, size_t layer, const s3d8_variant *var,
+                        int threads) {
+    const s3d8_decoder *d = B->ds[sel[0]];
+    const s3d8_layer *L = &d->layers[layer];
     size_t hd = d->head_dim;
     const s3d8_weight *qw[1] = {&L->q}, *o[1] = {&L->o};
-    float *q_out[1] = {a->q}, *o_out[1] = {a->y};
-    rms_norm(d->hidden, a->x, L->ln1, d->eps, a->h);
-    products(d, var, threads, a, a->h, qw, q_out, 1);
-    for (size_t h = 0; h < d->n_heads; h++) rms_norm(hd, a->q + h * hd, L->q_norm, d->eps, a->q + h * hd);
-    attention(d, L, threads, a, L->cache_len);
-    products(d, var, threads, a, a->att, o, o_out, 1);
-    for (size_t i = 0; i < d->hidden; i++) a->x[i] = a->x[i] + L->attn_gate * a->y[i];
-    mlp(d, L, var, threads, a);
-    for (size_t i = 0; i < d->hidden; i++) a->x[i] = a->x[i] + L->mlp_gate * (L->mlp_row_mask * a->y[i]);
+    float *h[m], *q[m], *att[m], *y[m];
+    EACH(r) {
+        SEQ(r)
+        rms_norm(d_r->hidden, a_r->x, L_r->ln1, d_r->eps, a_r->h);
+        h[r] = a_r->h, q[r] = a_r->q, att[r] = a_r->att, y[r] = a_r->y;
+    }
+    float *const *q_out[1] = {q}, *const *o_out[1] = {y};
+    products_batch(B, var, threads, sel, m, h, qw, q_out, 1);
+    EACH(r) {
+        SEQ(r)
+        for (size_t hh = 0; hh < d_r->n_heads; hh++)
+            rms_norm(hd, a_r->q + hh * hd, L_r->q_norm, d_r->eps, a_r->q + hh * hd);
+        attention(d_r, L_r, threads, a_r, L_r->cache_len);
+    }
+    products_batch(B, var, threads, sel, m, att, o, o_out, 1);
+    EACH(r) {
+        SEQ(r)
+        for (size_t i = 0; i < d_r->hidden; i++) a_r->x[i] = a_r->x[i] + L_r->attn_gate * a_r->y[i];
+    }
+    mlp(B, sel, m, layer, var, threads);
+    EACH(r) {
+        SEQ(r)
+        for (size_t i = 0; i < d_r->hidden; i++)
+            a_r->x[i] = a_r->x[i] + L_r->mlp_gate * (L_r->mlp_row_mask * a_r->y[i]);
+    }
+}
+
+/* ---- the step ---------------------------------------------------------------------------------- */
+
+static int same_weight(const s3d8_weight *a, const s3d8_weight *b) {
+    return a->kind == b->kind && a->n == b->n && a->k == b->k && a->data == b->data && a->table == b->table &&
+           a->scale == b->scale;
+}
+
+/* 0 when ds[r] may join ds[0]'s batch: its position and token in range, the same shape and weights. */
+static int joins(const s3d8_decoder *d0, const s3d8_decoder *d, int64_t token, size_t pos) {
+    if (token < 0 || (size_t)token >= d->embed.n) return -5;
+    if (pos >= d->rope_len) return -4;
+    if (d->n_layers != d0->n_layers || d->hidden != d0->hidden || d->n_heads != d0->n_heads ||
+        d->n_kv_heads != d0->n_kv_heads || d->head_dim != d0->head_dim || d->stub_products != d0->stub_products ||
+        !same_weight(&d->embed, &d0->embed) || !same_weight(&d->lm_head, &d0->lm_head))
+        return -4;
+    for (size_t i = 0; i < d->n_layers; i++) {
+        const s3d8_layer *L = &d->layers[i], *L0 = &d0->layers[i];
+        if (!L->skip && !L->cross && pos >= L->cache_len) return -4;
+        if (L->skip || L0->skip) continue;
+        if (L->cross != L0->cross || !same_weight(&L->q, &L0->q) || !same_weight(&L->o, &L0->o) ||
+            !same_weight(&L->gate, &L0->gate) || !same_weight(&L->up, &L0->up) ||
+            !same_weight(&L->down, &L0->down) ||
+            (!L->cross && (!same_weight(&L->k, &L0->k) || !same_weight(&L->v, &L0->v))))
+            return -4;
+    }
+    return 0;
+}
+
+static int step(int v, int threads, const s3d8_decoder *const *ds, size_t count, const int64_t *tokens,
+                const size_t *pos, float *const *logits, void *batch_work) {
+    const s3d8_variant *var = s3d8_variant_supported(v) ? s3d8_variant_get(v) : NULL;
+    if (!var) return -1;
+    if (!count) return 0;
+    for (size_t r = 0; r < count; r++) {
+        int rc = joins(ds[0], ds[r], tokens[r], pos[r]);
+        if (rc) return rc;
+    }
+    areas a[count];
+    size_t all[count], sel[count];
+    char *bw = batch_work;
+    size_t mk = max_k(ds[0]);
+    batch B = {.ds = ds, .a = a, .count = count, .max_n = max_n(ds[0])};
+    if (count > 1) {
+        B.rows_x = (float *)(void *)bw;
+        B.rows_y = (float *)(void *)(bw + ALIGN(count * mk * sizeof(float)));
+        B.xq = (int8_t *)(bw + ALIGN(count * mk * sizeof(float)) + ALIGN(3 * count * B.max_n * sizeof(float)));
+    }
+    for (size_t r = 0; r < count; r++) {
+        a[r] = layout(ds[r], ds[r]->work);
+        all[r] = r;
+        embed(ds[r], var, &a[r], (size_t)tokens[r]);
+    }
+    for (size_t i = 0; i < ds[0]->n_layers; i++) {
+        size_t m = 0;
+        for (size_t r = 0; r < count; r++)
+            if (!ds[r]->layers[i].skip) sel[m++] = r;
+        if (!m) continue;
+        if (ds[sel[0]]->layers[i].cross) cross_layer(&B, sel, m, i, var, threads);
+        else self_layer(&B, sel, m, i, var, threads, pos);
+    }
+    const s3d8_weight *head[1] = {&ds[0]->lm_head};
+    float *h[count];
+    for (size_t r = 0; r < count; r++) {
+        rms_norm(ds[r]->hidden, a[r].x, ds[r]->norm, ds[r]->eps, a[r].h);
+        h[r] = a[r].h;
+    }
+    float *const *head_out[1] = {logits};
+    products_batch(&B, var, threads, all, count, h, head, head_out, 1);
+    return 0;
 }
 
 int s3d8_decoder_step(int v, int threads, const s3d8_decoder *d, int64_t token, size_t pos, float *logits) {
-    const s3d8_variant *var = s3d8_variant_supported(v) ? s3d8_variant_get(v) : NULL;
-    if (!var) return -1;
-    if (token < 0 || (size_t)token >= d->embed.n) return -5;
-    if (pos >= d->rope_len) return -4;
-    for (size_t i = 0; i < d->n_layers; i++)
-        if (!d->layers[i].skip && !d->layers[i].cross && pos >= d->layers[i].cache_len) return -4;
-    areas a = layout(d, d->work);
-    const s3d8_weight *head[1] = {&d->lm_head};
-    float *head_out[1] = {logits};
-    embed(d, var, &a, (size_t)token);
-    for (size_t i = 0; i < d->n_layers; i++) {
-        const s3d8_layer *L = &d->layers[i];
-        if (L->skip) continue;
-        if (L->cross) cross_layer(d, L, var, threads, &a);
-        else self_layer(d, L, var, threads, &a, pos);
-    }
-    rms_norm(d->hidden, a.x, d->norm, d->eps, a.h);
-    products(d, var, threads, &a, a.h, head, head_out, 1);
-    return 0;
+    const s3d8_decoder *ds[1] = {d};
+    float *out[1] = {logits};
+    return step(v, threads, ds, 1, &token, &pos, out, NULL);
+}
+
+int s3d8_decoder_step_batch(int v, int threads, const s3d8_decoder *const *ds, size_t count, const int64_t *tokens,
+                            const size_t *pos, float *const *logits, void *batch_work) {
+    if (count > 1 && !batch_work) return -4;
+    return step(v, threads, ds, count, tokens, pos, logits, batch_work);
 }

@@ -112,6 +112,32 @@ class DecodeStep:
         return self.logits
 
 
+_BATCH_WORK: dict[str, torch.Tensor] = {}
+
+
+def step_batch(steps: list[DecodeStep], tokens: list[int], positions: list[int]) -> list[torch.Tensor]:
+    """One token for each of several sequences in one C call (``s3d8_decoder_step_batch``): ``steps`` are C
+    decoders over the same weights (e.g. :meth:`LeanLlama.session`'s, or one Mllama's per request), each its own
+    caches; every weight is read once for all of them. Returns each step's logits buffer (as :meth:`DecodeStep.step`
+    does); a row's logits are its one-sequence step's (tested)."""
+    if len(steps) == 1:
+        return [steps[0].step(tokens[0], positions[0])]
+    n = len(steps)
+    need = int(lib.s3d8_decoder_batch_work_bytes(steps[0].d, n)) + 64
+    work = _BATCH_WORK.get("work")
+    if work is None or work.numel() < need:
+        work = _BATCH_WORK["work"] = torch.empty(need, dtype=torch.uint8)
+    ds = ffi.new("s3d8_decoder *[]", [s.d for s in steps])
+    logits = ffi.new("float *[]", [s._logits for s in steps])
+    rc = lib.s3d8_decoder_step_batch(native._variant_index(None), native._threads(None), ds, n,
+                                     ffi.new("int64_t[]", list(tokens)), ffi.new("size_t[]", list(positions)), logits,
+                                     ffi.cast("void *", (work.data_ptr() + 63) // 64 * 64))
+    if rc:
+        raise ValueError(f"C decoder batch of {n} (tokens {list(tokens)[:8]}, positions {list(positions)[:8]}): "
+                         f"{ERRORS.get(rc, rc)}" + (" or decoders that do not share their weights" if rc == -4 else ""))
+    return [s.logits for s in steps]
+
+
 def rope_tables(inv_freq: torch.Tensor, scaling: float, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin_rolled)`` ``[positions, head_dim]``: Hugging Face's RoPE tables, ``sin`` with its first half
     negated so that ``x * cos + roll(x, head_dim / 2) * sin_rolled`` is its ``x * cos + rotate_half(x) * sin``."""

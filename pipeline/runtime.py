@@ -102,19 +102,20 @@ def _finish(tokens, prompt_tokens, t0, stamps) -> Result:
 
 
 def begin(model, inputs: dict, positions: int):
-    """The prompt's forward: ``(logits of its last position, advance)``, ``advance(token, pos)`` the logits of
-    ``token`` at ``pos`` (one C call). ``model``: a :class:`LeanLlama` (its cache grown to ``positions`` if
-    smaller) or a packed HF Mllama (a C decoder with caches of ``positions`` built from the prompt's)."""
+    """The prompt's forward: ``(logits of its last position, decoder)``, ``decoder.step(token, pos)`` the logits
+    of ``token`` at ``pos`` in one C call (:class:`~pipeline.decode_step.DecodeStep`; several such decoders over
+    the same weights step together in :func:`~pipeline.decode_step.step_batch`). ``model``: a :class:`LeanLlama`
+    (its cache grown to ``positions`` if smaller) or a packed HF Mllama (a C decoder with caches of ``positions``
+    built from the prompt's)."""
     ids = inputs["input_ids"].reshape(-1)
     if isinstance(model, LeanLlama):
         if positions > model.max_len:
             model.allocate(positions)
-        return model.forward(ids, 0), lambda tok, pos: model.forward(torch.tensor([tok]), pos)
+        return model.forward(ids, 0), model.native
     kwargs = {k: v for k, v in inputs.items() if k != "attention_mask"}
     cam = kwargs.pop("cross_attention_mask", None)
     out = model(**kwargs, cross_attention_mask=cam, use_cache=True, logits_to_keep=1)
-    native = mllama_step(model, out.cache, positions, cam)
-    return out.logits[0, -1], native.step
+    return out.logits[0, -1], mllama_step(model, out.cache, positions, cam)
 
 
 def lean_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling = Sampling(), *,
@@ -125,7 +126,7 @@ def lean_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling =
     tokens, stamps = [], []
     t0 = time.perf_counter()
     with torch.inference_mode():
-        logits, advance = begin(model, inputs, n + max_new_tokens)
+        logits, decoder = begin(model, inputs, n + max_new_tokens)
         for step in range(max_new_tokens):
             tok = pick(logits, sampling, gen)
             tokens.append(tok)
@@ -134,7 +135,7 @@ def lean_generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling =
                 on_token(tok)
             if (eos and tok in eos) or step == max_new_tokens - 1:
                 break
-            logits = advance(tok, n + step)
+            logits = decoder.step(tok, n + step)
     return _finish(tokens, n, t0, stamps)
 
 

@@ -189,6 +189,60 @@ def test_c_decode_step_of_mllama_equals_hf_steps(packed_toy, image):
             tok = int(want.argmax())
 
 
+@pytest.mark.parametrize("fmt", ["s3d8", "int8", "bf16"])
+def test_batched_c_step_gives_each_sequence_its_own_steps_bits(synth, fmt):
+    """Several sequences in one C call (each weight read once for all): every row's logits and K/V cache equal
+    the same sequence stepped alone, bit for bit, whatever the other rows hold; a step of decoders over other
+    weights is refused."""
+    from pipeline import decode_step
+
+    model = runtime_models.LeanLlama(synth[fmt], 40)
+    prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 6, 9)]
+    together, alone = [model.session(40) for _ in prompts], [model.session(40) for _ in prompts]
+    toks = [int(s.forward(p, 0).argmax()) for s, p in zip(together, prompts)]
+    for s, p in zip(alone, prompts):
+        s.forward(p, 0)
+    pos = [p.numel() for p in prompts]
+    for _ in range(6):
+        batch = [lg.clone() for lg in decode_step.step_batch([s.native for s in together], toks, pos)]
+        for s, tok, p, lg in zip(alone, toks, pos, batch):
+            assert torch.equal(s.native.step(tok, p), lg)
+        toks, pos = [int(lg.argmax()) for lg in batch], [p + 1 for p in pos]
+    for a, b in zip(together, alone):
+        assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
+    other = runtime_models.LeanLlama(synth[fmt], 40)
+    with pytest.raises(ValueError, match="do not share their weights"):
+        decode_step.step_batch([together[0].native, other.native], [1, 1], [pos[0], 1])
+    with pytest.raises(ValueError, match="token out of range"):
+        decode_step.step_batch([s.native for s in together], [1, 300, 1], pos)
+
+
+def test_batched_c_step_of_mllama_mixes_image_and_text_requests(packed_toy):
+    """Mllama requests with and without an image in one batch: the cross-attention layers run for the rows that
+    have an image's K/V and are left out for the others, each row's logits its own step's."""
+    from pipeline import decode_step
+
+    model = runtime_models.hf_mllama(packed_toy)
+    inputs = {k: v[:1] for k, v in tiny_inputs(batch=1, length=7).items() if k != "attention_mask"}
+    cam = inputs.pop("cross_attention_mask")
+    text = {"input_ids": inputs["input_ids"][:, 2:]}
+    steps, first = [], []
+    with torch.inference_mode():
+        for kw, mask in ((inputs, cam), (text, None), (inputs, cam)):
+            pair = []
+            for _ in range(2):
+                out = model(**kw, cross_attention_mask=mask, use_cache=True, logits_to_keep=1)
+                pair.append(runtime_models.mllama_step(model, out.cache, kw["input_ids"].shape[1] + 6, mask))
+            steps.append(pair)
+            first.append((int(out.logits[0, -1].argmax()), kw["input_ids"].shape[1]))
+        toks, pos = [t for t, _ in first], [n for _, n in first]
+        for _ in range(5):
+            batch = [lg.clone() for lg in decode_step.step_batch([p[0] for p in steps], toks, pos)]
+            for p, tok, at, lg in zip(steps, toks, pos, batch):
+                assert torch.equal(p[1].step(tok, at), lg)
+            toks, pos = [int(lg.argmax()) for lg in batch], [at + 1 for at in pos]
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "pipeline.runtime", *map(str, args)], capture_output=True, text=True)
 

@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 SLOW_STEP = """
 import sys, time
 from pipeline.serve import engine, main
-step = engine.Engine._step
-engine.Engine._step = lambda self, seq: (time.sleep({delay}), step(self, seq))[1]
+step = engine.Engine._round
+engine.Engine._round = lambda self: (time.sleep({delay}), step(self))[1]
 raise SystemExit(main(sys.argv[1:]))
 """
 

@@ -1,5 +1,6 @@
 """The worker that runs every sequence of ``s3d8 serve``: one thread, ``max_batch`` sequences in flight (each its own
-KV cache and C decoder over the shared weights), a bounded queue in front."""
+KV cache and C decoder over the shared weights, their decode tokens one batched C call a round), a bounded queue
+in front."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pipeline import runtime
+from pipeline.decode_step import step_batch
 from pipeline.runtime_models import LeanLlama, RuntimeInputError, model_kind, read_header
 from pipeline.serve.requests import ServeError, _number, bad, chat_messages, sampling_of
 
@@ -43,7 +45,7 @@ class _Sequence:
     job: Job
     slot: object
     logits: torch.Tensor
-    advance: object
+    decoder: object                 # its C decoder (pipeline.decode_step.DecodeStep)
     gen: torch.Generator
     step: int = 0
 
@@ -164,39 +166,59 @@ class Engine:
                                 for _ in range(min(len(self.pending), len(self.slots)))]
                 for job, slot in admitted:
                     self._start(job, slot)
-                for seq in list(self.active):
-                    self._step(seq)
+                self._round()
 
     def _start(self, job: Job, slot) -> None:
         if job.cancelled:
             self.slots.append(slot)
             return
         try:
-            n = job.prompt_tokens
-            logits, advance = runtime.begin(slot, job.inputs, n + job.max_tokens)
+            logits, decoder = runtime.begin(slot, job.inputs, job.prompt_tokens + job.max_tokens)
         except Exception as e:  # noqa: BLE001 - one request's failure is its answer, never the server's end
             self.slots.append(slot)
             job.send("error", f"{type(e).__name__}: {e}")
             return
-        self.active.append(_Sequence(job, slot, logits, advance, torch.Generator().manual_seed(job.sampling.seed)))
+        self.active.append(_Sequence(job, slot, logits, decoder, torch.Generator().manual_seed(job.sampling.seed)))
 
-    def _step(self, seq: _Sequence) -> None:
+    def _pick(self, seq: _Sequence) -> int | None:
+        """The sequence's next token, sent to its request; None when the sequence ended here."""
         job = seq.job
+        if job.cancelled:
+            return self._end(seq, None)
+        tok = runtime.pick(seq.logits, job.sampling, seq.gen)
+        seq.step = job.generated = seq.step + 1
+        if tok in self.eos:
+            return self._end(seq, "stop")
+        job.send("token", tok)
+        if seq.step >= job.max_tokens:
+            return self._end(seq, "length")
+        return tok
+
+    def _round(self) -> None:
+        """One token for every sequence in flight: each picks from its logits, then the ones that go on run their
+        next position together, one C call reading each weight once for all of them."""
+        going = []
+        for seq in list(self.active):
+            try:
+                tok = self._pick(seq)
+            except Exception as e:  # noqa: BLE001
+                seq.job.send("error", f"{type(e).__name__}: {e}")
+                self._end(seq, None)
+                continue
+            if tok is not None:
+                going.append((seq, tok))
+        if not going:
+            return
         try:
-            if job.cancelled:
-                return self._end(seq, None)
-            tok = runtime.pick(seq.logits, job.sampling, seq.gen)
-            seq.step += 1
-            job.generated = seq.step
-            if tok in self.eos:
-                return self._end(seq, "stop")
-            job.send("token", tok)
-            if seq.step >= job.max_tokens:
-                return self._end(seq, "length")
-            seq.logits = seq.advance(tok, job.prompt_tokens + seq.step - 1)
+            logits = step_batch([s.decoder for s, _ in going], [t for _, t in going],
+                                [s.job.prompt_tokens + s.step - 1 for s, _ in going])
         except Exception as e:  # noqa: BLE001
-            job.send("error", f"{type(e).__name__}: {e}")
-            self._end(seq, None)
+            for s, _ in going:
+                s.job.send("error", f"{type(e).__name__}: {e}")
+                self._end(s, None)
+            return
+        for (s, _), lg in zip(going, logits):
+            s.logits = lg
 
     def _end(self, seq: _Sequence, reason: str | None) -> None:
         self.active.remove(seq)
