@@ -600,6 +600,16 @@ def read_bandwidth_probe(buf: torch.Tensor) -> int:
     return int(lib.s3d8_read_bandwidth_probe(_ptr(buf, "uint8_t *"), buf.numel()))
 
 
+def _check_bias(bias, d_out: int) -> torch.Tensor | None:
+    """An optional Linear bias as the native modules hold it: float32 ``[d_out]``, contiguous."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.numel() != d_out:
+        raise ValueError(f"bias: expected a floating-point tensor of {d_out} values, got "
+                         f"{list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+    return check_readable(bias, "bias").detach().float().reshape(d_out).contiguous()
+
+
 class S3D8Linear(torch.nn.Module):
     """Inference-only linear layer over a packed S3D8 weight (float32 in, float32 out), for
     running an S3D8 model on CPU with these kernels. ``bias`` is optional (float32 [d_out])."""
@@ -610,11 +620,7 @@ class S3D8Linear(torch.nn.Module):
         d_out, d_in, packed, table = _check_s3d8(packed, table, shape)
         _check_k(d_in, "shape")
         self.shape = (d_out, d_in)
-        if bias is not None:
-            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.numel() != d_out:
-                raise ValueError(f"bias: expected a floating-point tensor of {d_out} values, got "
-                                 f"{list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
-            bias = check_readable(bias, "bias").detach().float().reshape(d_out).contiguous()
+        bias = _check_bias(bias, d_out)
         self.register_buffer("packed", packed.reshape(packed_shape(d_out, d_in)))
         self.register_buffer("scale", _check_scale(scale, d_out))
         self.register_buffer("table", table)
@@ -666,12 +672,13 @@ class Int8Linear(torch.nn.Module):
     """Inference-only linear layer over a per-channel INT8 weight on ``int8_matmul`` (the library's INT8
     baseline), with the same hot path for decoding as :class:`S3D8Linear`."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         weight = _check(weight, "weight", torch.int8, (2,))
         d_out, d_in = _check_int8_weight(weight)
         self.register_buffer("weight", weight)
         self.register_buffer("scale", _check_scale(scale, d_out))
+        self.register_buffer("bias", _check_bias(bias, d_out))
         self.out_features, self.in_features = d_out, d_in
 
     @property
@@ -681,10 +688,14 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
-        if _plain_tokens(x, self.in_features) and _hot(b["weight"], torch.int8, b["scale"]):
-            return _fused(_qsi8_at, _variant_index(None), _threads(None), x, b["weight"], None, b["scale"],
-                          (self.out_features, self.in_features), "int8_matmul")
-        return int8_matmul(_fallback(self, x), b["weight"], b["scale"]).to(x.dtype)
+        if _plain_tokens(x, self.in_features) and _hot(b["weight"], torch.int8, b["scale"], b["bias"]):
+            y = _fused(_qsi8_at, _variant_index(None), _threads(None), x, b["weight"], None, b["scale"],
+                       (self.out_features, self.in_features), "int8_matmul")
+        else:
+            y = int8_matmul(_fallback(self, x), b["weight"], b["scale"])
+        if b["bias"] is not None:
+            y += b["bias"]
+        return y.to(x.dtype)
 
 
 class Bf16Linear(torch.nn.Module):

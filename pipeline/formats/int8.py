@@ -71,9 +71,7 @@ class INT8(FormatBase):
         """The packed bytes on the native INT8 kernels (INT8 activations per token)."""
         from pipeline import native
 
-        if bias is not None:
-            raise ValueError("int8: the native INT8 linear has no bias")
-        return native.Int8Linear(tensors["int8"].reshape(check_shape(shape)), tensors["scale"].reshape(-1, 1))
+        return native.Int8Linear(tensors["int8"].reshape(check_shape(shape)), tensors["scale"].reshape(-1, 1), bias)
 
     def row_embedding(self, tensors: dict[str, torch.Tensor], shape, padding_idx: int | None = None,
                       dtype: torch.dtype = torch.float32):

@@ -1,0 +1,87 @@
+"""The synthetic Llama 3.2 11B Vision (``pipeline.synthetic_vision``) at toy size: every tensor of the Mllama config
+written straight into packed files under the precision plan, loadable by the runtime like any packed model, and
+the vision benchmark (``pipeline.bench.generate --models synthetic-vision-tiny``) that measures one image and a
+question on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import native
+from pipeline.mllama_shape import skeleton_config
+from pipeline.packed import read_metadata
+from pipeline.synthetic_vision import PRESETS, tensors, write_vision
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_vision("synthetic-vision-tiny", tmp_path_factory.mktemp("synth"))
+
+
+def test_every_tensor_at_its_shape_in_the_plans_formats(files):
+    from safetensors import safe_open
+
+    shapes, quantised = tensors(skeleton_config(PRESETS["synthetic-vision-tiny"]))
+    assert any("vision_model" in n for n in quantised) and any("cross_attn" in n for n in quantised)
+    for stem, path in files.items():
+        meta = read_metadata(path)
+        assert json.loads(meta["shapes"]) == {n: list(shapes[n]) for n in quantised}
+        others = json.loads(meta["formats"])
+        if stem == "s3d8":
+            assert meta["format"] == "s3d8" and set(others) == {n for n in quantised if "embed_tokens" in n}
+            assert set(others.values()) == {"int8"}
+        else:
+            assert meta["format"] == "int8" and others == {}
+        with safe_open(str(path), "pt") as f:
+            keys = set(f.keys())
+        plain = {n for n in shapes if n not in quantised}
+        assert plain <= keys and all(any(k.startswith(n + ".") for k in keys) for n in quantised)
+
+
+def test_the_runtime_runs_both_files_on_the_native_kernels(files):
+    from pipeline import runtime
+    from pipeline.bench.vision import answer, inputs
+    from pipeline.runtime_models import hf_mllama, model_kind, read_header
+
+    for stem, path in files.items():
+        assert model_kind(path) == ("mllama", stem)
+        model = hf_mllama(path)
+        fc1 = model.model.vision_model.transformer.layers[0].mlp.fc1
+        assert isinstance(fc1, native.S3D8Linear if stem == "s3d8" else native.Int8Linear) and fc1.bias is not None
+        processor = runtime._processor_for(path, read_header(path)[1], None)
+        batch = inputs(processor, (112, 112))
+        assert batch["pixel_values"].shape[2] == 4                       # 4 tiles, as the 11B tiles a 2 x 2 picture
+        res = answer(model, batch, 4)
+        assert res["image_tokens"] == 4 * 17 and res["time_to_first_token_s"] > 0
+
+
+def test_int8_linear_adds_its_bias():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (6, 32), dtype=torch.int8, generator=gen)
+    scale = torch.rand(6, 1, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(6, generator=gen)
+    x = torch.randn(3, 32, generator=gen)
+    assert torch.equal(native.Int8Linear(w, scale, bias)(x), native.Int8Linear(w, scale)(x) + bias)
+    with pytest.raises(ValueError, match="bias"):
+        native.Int8Linear(w, scale, torch.zeros(5))
+
+
+def test_generate_bench_measures_an_image_and_a_question(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "pipeline.bench.generate", "--models", "synthetic-vision-tiny",
+                    "--threads", "1", "--new-tokens", "4", "--out", str(tmp_path)], check=True, cwd=REPO, env=env,
+                   capture_output=True, timeout=600)
+    data = json.loads((tmp_path / "bench_generate.json").read_text())
+    rows = {r["format"]: r for r in data["records"]}
+    assert set(rows) == {"s3d8", "int8"} and all("error" not in r for r in rows.values())
+    assert rows["s3d8"]["weight_bytes"] < rows["int8"]["weight_bytes"] and rows["s3d8"]["image_tokens"] == 68
+    assert "One image and a question" in (tmp_path / "bench_generate.md").read_text()
