@@ -20,7 +20,9 @@
  *
  * m = 1 would be bound by memory bandwidth only at 1/3 byte per weight, so every instruction per
  * packed byte counts: per 32 packed bytes (96 weights) this is 4 shared index ops, 9 lookup ops,
- * 4 sign ops, then 4 ops per lane and token (sign, maddubs, maddwd, add). */
+ * 4 sign ops, then 4 ops per lane and token (sign, maddubs, maddwd, add). Its rows are read
+ * S3D8_STREAMS at a time with the next block prefetched into L2 (s3d8_groups_token), as the
+ * AVX-512 variant reads them. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -29,6 +31,9 @@
 
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
+#endif
+#ifndef S3D8_STREAMS /* packed rows read at once by the one-token product (its block) */
+#define S3D8_STREAMS 2
 #endif
 #ifndef S3D8_TOKENS /* tokens per pass over a packed row in the fused product (1..4) */
 #define S3D8_TOKENS 4 /* measured here (Zen 3): 4 beat 2 and 3 for m = 4 and 8 */
@@ -251,6 +256,47 @@ static inline __attribute__((always_inline)) void s3d8_group_tokens(
                 y[a * y_stride + j] = epilogue(hsum(acc[a][j]), x_scale[a], w_scale[j]);
 }
 
+/* One token times G packed rows (3G output channels) read at once, and the next block of G rows
+ * prefetched into L2 front to back while this one is read (G lines a 64-byte step, so that the
+ * whole next block is requested before its first load): the one-token product's read pattern of
+ * the AVX-512 variant. A row's magnitudes and signs live only while that row is accumulated, so G
+ * rows take 3G accumulators (G = 2: 6 of the 16 ymm registers). */
+static inline __attribute__((always_inline)) void s3d8_groups_token(
+    int G, size_t k16, const uint8_t *rows0, size_t left, const int8_t *xq, const magtab *t,
+    const uint16_t *w_scale, float x_scale, float *y) {
+    __m256i acc[S3D8_STREAMS][3], mag[3], sgn[3];
+    size_t next = (size_t)G * k16;
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 3; j++) acc[g][j] = _mm256_setzero_si256();
+    size_t c = 0;
+    for (; c + 64 <= k16; c += 64, next += (size_t)G * 64) {
+        for (int g = 0; g < G; g++) {
+            if (next + 64 * g < left) _mm_prefetch((const char *)rows0 + next + 64 * g, _MM_HINT_T1);
+            for (size_t h = 0; h < 64; h += 32) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c + h));
+                decode32(_mm256_loadu_si256((const __m256i *)(rows0 + g * k16 + c + h)), t, mag, sgn);
+                for (int j = 0; j < 3; j++) acc[g][j] = dot32_mag(acc[g][j], xv, mag[j], sgn[j]);
+            }
+        }
+    }
+    for (; c < k16; c += 32) { /* 16, 32 or 48 bytes left; x is zero beyond k16 */
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c));
+        for (int g = 0; g < G; g++) {
+            __m256i b;
+            if (k16 - c >= 32) {
+                b = _mm256_loadu_si256((const __m256i *)(rows0 + g * k16 + c));
+            } else {
+                b = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rows0 + g * k16 + c)));
+                b = _mm256_inserti128_si256(b, _mm_setzero_si128(), 1);
+            }
+            decode32(b, t, mag, sgn);
+            for (int j = 0; j < 3; j++) acc[g][j] = dot32_mag(acc[g][j], xv, mag[j], sgn[j]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 3; j++) y[3 * g + j] = epilogue(hsum(acc[g][j]), x_scale, w_scale[3 * g + j]);
+}
+
 static void matmul_s3d8_avx2(size_t m, size_t n, size_t k, const int8_t *xq, size_t xq_stride,
                              const float *x_scale, const int32_t *x_sum, const uint8_t *packed,
                              const int8_t luts[192], const uint16_t *w_scale, float *y,
@@ -258,10 +304,19 @@ static void matmul_s3d8_avx2(size_t m, size_t n, size_t k, const int8_t *xq, siz
     (void)x_sum;
     magtab t = load_mags(luts);
     size_t k16 = S3D8_PAD16(k);
-    /* start the stream: the loop's prefetch runs PREFETCH_BYTES ahead of the first loads */
-    for (size_t b = 0; b < PREFETCH_BYTES && b < S3D8_GROUPS(n) * k16; b += 64)
-        _mm_prefetch((const char *)packed + b, _MM_HINT_T0);
-    for (size_t g = 0; g < S3D8_GROUPS(n); g++) {
+    /* start the stream: one token's first block (its loop prefetches each next one), else the first
+     * PREFETCH_BYTES (the loop below runs that far ahead) */
+    size_t start = m == 1 ? S3D8_STREAMS * k16 : PREFETCH_BYTES;
+    for (size_t b = 0; b < start && b < S3D8_GROUPS(n) * k16; b += 64) {
+        if (m == 1) _mm_prefetch((const char *)packed + b, _MM_HINT_T1);
+        else _mm_prefetch((const char *)packed + b, _MM_HINT_T0);
+    }
+    size_t g = 0;
+    if (m == 1) /* whole groups of 3 channels, S3D8_STREAMS packed rows at a time */
+        for (; g + S3D8_STREAMS <= n / 3; g += S3D8_STREAMS)
+            s3d8_groups_token(S3D8_STREAMS, k16, packed + g * k16, (S3D8_GROUPS(n) - g) * k16, xq, &t,
+                              w_scale + 3 * g, x_scale[0], y + 3 * g);
+    for (; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;
         for (size_t i = 0; i < m; i += S3D8_TOKENS) {

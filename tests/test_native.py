@@ -696,7 +696,7 @@ def test_modules_refuse_buffers_freed_after_construction(kind, how):
     shape = (7, 33)
     w, packed, scale, table = random_s3d8(*shape)
     layer = {"s3d8": lambda: native.S3D8Linear(packed.clone(), scale.clone(), table.clone(), shape, torch.randn(7)),
-             "int8": lambda: native.Int8Linear(s3d8.decode_int8(packed, table, shape), scale.clone()),
+             "int8": lambda: native.Int8Linear(s3d8.decode_int8(packed, table, shape), scale.clone(), torch.randn(7)),
              "bf16": lambda: native.Bf16Linear(w.to(torch.bfloat16))}[kind]
     for m in (1, native.FUSED_MAX_M + 3):
         with pytest.raises(ValueError, match="^x: .*storage holds"):
