@@ -57,6 +57,8 @@ def test_the_runtime_runs_both_files_on_the_native_kernels(files):
         model = hf_mllama(path)
         fc1 = model.model.vision_model.transformer.layers[0].mlp.fc1
         assert isinstance(fc1, native.S3D8Linear if stem == "s3d8" else native.Int8Linear) and fc1.bias is not None
+        big = [b for m in model.modules() for b in m._buffers.values() if b is not None and b.nbytes >= 4096]
+        assert big and len({b.untyped_storage().data_ptr() for b in big}) == 1, "one block of private memory"
         processor = runtime._processor_for(path, read_header(path)[1], None)
         batch = inputs(processor, (112, 112))
         assert batch["pixel_values"].shape[2] == 4                       # 4 tiles, as the 11B tiles a 2 x 2 picture
