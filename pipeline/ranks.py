@@ -37,12 +37,12 @@ def io_timeout(launch: LaunchParams, nbytes: float) -> timedelta:
     return timedelta(seconds=launch.timeout_s + nbytes / (launch.min_disk_mb_s * 1e6))
 
 
-def init_process_group(launch: LaunchParams) -> None:
+def init_process_group(launch: LaunchParams, backend: str | None = None) -> None:
     """Join the ranks torchrun started, every collective bounded by ``launch.timeout_s`` (``accelerate`` then joins
-    this group); nothing on one process or when a group exists."""
+    this group), on ``backend`` (default ``launch.backend``'s); nothing on one process or when a group exists."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
-    backend = resolve_backend(launch.backend)
+    backend = backend or resolve_backend(launch.backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timeout(launch))
@@ -52,15 +52,21 @@ def _several() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def on_rank0(launch: LaunchParams, nbytes: float, work: Callable[[], T]) -> T | None:
-    """``work()`` on rank 0 (its result there, None on the others) while the others wait for it up to
-    :func:`io_timeout` of ``nbytes``, in a gloo group of its own (formed first, while every rank is here)."""
+def on_rank0(launch: LaunchParams, nbytes: float, work: Callable[[], T], share: bool = False) -> T | None:
+    """``work()`` on rank 0 (its result there, None on the others; with ``share`` on every rank) while the others
+    wait for it up to :func:`io_timeout` of ``nbytes``, in a gloo group of its own (formed first, while every rank
+    is here)."""
     if not _several():
         return work()
     group = dist.new_group(backend="gloo", timeout=io_timeout(launch, nbytes))
     try:
         result = work() if dist.get_rank() == 0 else None
-        dist.barrier(group=group)
+        if share:
+            box = [result]
+            dist.broadcast_object_list(box, src=0, group=group)
+            result = box[0]
+        else:
+            dist.barrier(group=group)
     finally:
         dist.destroy_process_group(group)
     return result
