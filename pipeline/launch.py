@@ -57,13 +57,6 @@ class Topology:
     machine_rank: int | None = non_negative(None)   # null: $MACHINE_RANK (or $NODE_RANK), else 0
 
 
-def resolve_backend(backend: str) -> str:
-    if backend != "auto":
-        return backend
-    import torch
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def settings(params_path: str | Path = "params.yaml") -> LaunchParams:
     """The launch settings of this run: those the launcher handed over (``$PIPELINE_LAUNCH``), else the
     ``launch`` section of ``params_path`` when it exists, else the defaults (one process, DDP)."""
@@ -177,6 +170,9 @@ def plan_main(argv: list[str]) -> int:
           f"params {' + '.join([args.params, *args.preset])}: {launch.num_processes} process(es), {launch.strategy}, "
           f"formats {', '.join(p['formats'])}")
     print(memory_plan.summary(phases, gpu, host, disk))
+    from pipeline import ranks
+    for line in ranks.planned_waits(p, counts):
+        print(f"wait: {line}")
     problems = memory_plan.check(phases, gpu, host, per_node) + memory_plan.check_disk(phases, disk)
     for line in problems:
         print(f"does not fit: {line}", file=sys.stderr)

@@ -22,22 +22,28 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from pipeline.launch import LaunchParams, resolve_backend
-
 T = TypeVar("T")
+# ``launch`` below: the launch settings (pipeline.launch.LaunchParams; not imported: the launcher's plan reads this)
 POLL = timedelta(seconds=30)          # rank 0 looks for the others' results this often (no deadline)
 
 
-def timeout(launch: LaunchParams) -> timedelta:
+def resolve_backend(backend: str) -> str:
+    """``launch.backend``: auto is NCCL on a GPU, gloo on the CPU."""
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def timeout(launch) -> timedelta:
     return timedelta(seconds=launch.timeout_s)
 
 
-def io_timeout(launch: LaunchParams, nbytes: float) -> timedelta:
+def io_timeout(launch, nbytes: float) -> timedelta:
     """How long ranks wait while rank 0 reads or writes ``nbytes``: at ``launch.min_disk_mb_s``, plus ``timeout_s``."""
     return timedelta(seconds=launch.timeout_s + nbytes / (launch.min_disk_mb_s * 1e6))
 
 
-def init_process_group(launch: LaunchParams, backend: str | None = None) -> None:
+def init_process_group(launch, backend: str | None = None) -> None:
     """Join the ranks torchrun started, every collective bounded by ``launch.timeout_s`` (``accelerate`` then joins
     this group), on ``backend`` (default ``launch.backend``'s); nothing on one process or when a group exists."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -52,7 +58,7 @@ def _several() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def on_rank0(launch: LaunchParams, nbytes: float, work: Callable[[], T], share: bool = False) -> T | None:
+def on_rank0(launch, nbytes: float, work: Callable[[], T], share: bool = False) -> T | None:
     """``work()`` on rank 0 (its result there, None on the others; with ``share`` on every rank) while the others
     wait for it up to :func:`io_timeout` of ``nbytes``, in a gloo group of its own (formed first, while every rank
     is here)."""
@@ -90,6 +96,23 @@ def collect(tag: str, obj) -> list | None:
             if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
                 raise
     return [obj] + [pickle.loads(store.get(k)) for k in keys]
+
+
+def planned_waits(params: dict, counts: dict) -> list[str]:
+    """A line per phase in which the other ranks wait for rank 0's reads or writes, with the timeout they allow."""
+    launch = params["launch"]
+    if launch.num_processes == 1:
+        return []
+    P, tb = counts["total"], 2 if params["teacher"].dtype == "bfloat16" else 4
+    waits = {"direct-cast: rank 0 hashes the teacher and calibration (once per size and mtime)":
+             tb * P + 4 * counts["calibration_elements"]}
+    if launch.strategy == "fsdp2":
+        waits["qat-train: rank 0 reads the teacher and the fp32 student (the cast's masters)"] = 3 * tb * P
+        waits["qat-train: rank 0 writes the fp32 student"] = 4 * P
+    else:
+        waits["qat-train: rank 0 writes a checkpoint"] = 12 * P
+    return [f"{what}: {nbytes / 1e9:.1f} GB, the others wait up to {io_timeout(launch, nbytes)}"
+            for what, nbytes in waits.items()]
 
 
 def teacher_bytes(source: str) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from pipeline import ranks
 from pipeline.io import atomic_dir
-from pipeline.launch import LaunchParams, resolve_backend
+from pipeline.launch import LaunchParams
 from pipeline.models import load_config, load_model, meta_model
 from pipeline.qat.modules import _FakeQuant
 from pipeline.safetensors_io import write_tensors
@@ -176,7 +176,7 @@ class FSDP2Engine:
 
         self.d = distributed
         self.launch = launch
-        distributed.init_process_group(resolve_backend(launch.backend), ranks.timeout(launch))
+        distributed.init_process_group(ranks.resolve_backend(launch.backend), ranks.timeout(launch))
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.device = distributed.device()
 
