@@ -6,9 +6,9 @@ runs on its own (batch of one), so no padding token counts; image tiles the pict
 the vision encoder's input and count as they do in every forward. Rows are accumulated in float64.
 
 At the 11B the matrices take ``sum(d_in^2) * 4`` bytes (the 40 MLP down projections alone, 14,336^2 each:
-33 GB), twice that while summed in float64. So the prompts run once per group of matrices whose float64 sums fit
-``calibrate.hessian_memory_gb`` (consecutive in the file's sorted order), each group's matrices written as soon as
-it is done: the file is streamed tensor by tensor, and readers hold one at a time. The teacher and the sums live on
+33 GB), twice that while summed in float64. So the prompts run once per group of matrices whose peak (:func:`peak_bytes`:
+the float64 sums and one update's temporaries) fits ``calibrate.hessian_memory_gb`` (consecutive in the file's sorted
+order), each group's matrices written as soon as it is done: the file is streamed tensor by tensor, and readers hold one at a time. The teacher and the sums live on
 the GPU when there is one; host memory is then the teacher while it loads plus one matrix in float32 at a time.
 
 What the teacher reads (``calibrate.source``): ``teacher-answers`` (the training prompts with the teacher's answers,
@@ -79,7 +79,7 @@ class CalibrateParams:
     max_seq_len: int = positive()          # longer prompt + answer sequences are cut here; the text windows' length
     seed: int
     threads: int = non_negative()          # torch intra-op threads (0: torch's default)
-    hessian_memory_gb: float = positive()  # float64 sums held at once; beyond, more passes over the prompts
+    hessian_memory_gb: float = positive()  # the peak of a pass (float64 sums and one update's temporaries)
     source: str                            # teacher-answers | corpus | self | file:PATH
     sequential: bool                       # the direct cast's X^T X from the partly cast model (GPTQ's order)
 
@@ -166,7 +166,8 @@ def calibrate(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, hel
              if isinstance(model.get_submodule(m), torch.nn.Linear)}
     modules = sorted(names, key=names.get)                      # the file's order
     width = {m: model.get_submodule(m).in_features for m in modules}
-    groups = passes([width[m] for m in modules], p.hessian_memory_gb * 1e9)
+    rows = max((rows_per_prompt(e, model.config) for e in chosen), default=0)
+    groups = passes([width[m] for m in modules], p.hessian_memory_gb * 1e9, rows)
     tokens = sum(int(e["input_ids"].numel()) for e in chosen)
     summary = {"prompts": len(chosen), "modules": len(modules), "tokens": tokens}
     specs = [(names[m], torch.float32, (width[m], width[m])) for m in modules]
@@ -187,19 +188,35 @@ def calibrate(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, hel
     return {**summary, "passes": len(groups)}
 
 
-def passes(widths: list[int], budget_bytes: float) -> list[tuple[int, int]]:
-    """``[(start, stop)]``: consecutive runs of matrices whose float64 ``d_in x d_in`` sums fit ``budget_bytes``
-    together (a matrix larger than the budget alone)."""
-    groups, start, held = [], 0, 0
-    for i, d in enumerate(widths):
-        size = 8 * d * d
-        if i > start and held + size > budget_bytes:
+def peak_bytes(widths: list[int], rows: int) -> int:
+    """The most memory :func:`pipeline.ptq.input_sums` holds for matrices of these input widths: their float64 sums,
+    and while one is updated its ``d x d`` float64 product, its input ``rows`` (the most one prompt feeds a Linear:
+    its tokens, or its image's tiles x patches; float32 at most) and their float64 copy. Each float64 sum is freed
+    as its float32 mean is made, so the means never add to it."""
+    return 8 * sum(d * d for d in widths) + max((8 * d * d + 12 * rows * d for d in widths), default=0)
+
+
+def passes(widths: list[int], budget_bytes: float, rows: int = 0) -> list[tuple[int, int]]:
+    """``[(start, stop)]``: consecutive runs of matrices whose :func:`peak_bytes` fits ``budget_bytes`` (a matrix
+    larger than the budget alone)."""
+    groups, start = [], 0
+    for i in range(len(widths)):
+        if i > start and peak_bytes(widths[start:i + 1], rows) > budget_bytes:
             groups.append((start, i))
-            start, held = i, 0
-        held += size
+            start = i
     if widths:
         groups.append((start, len(widths)))
     return groups
+
+
+def rows_per_prompt(batch: dict, config) -> int:
+    """The most input rows one prompt's forward feeds a Linear: its tokens, or its images' tiles x padded patches."""
+    rows = int(batch["input_ids"].numel())
+    vision = getattr(config, "vision_config", None)
+    if "pixel_values" in batch and vision is not None:
+        patches = (vision.image_size // vision.patch_size) ** 2 + 1
+        rows = max(rows, batch["pixel_values"][0].shape[:-3].numel() * (patches + (8 - patches % 8) % 8))
+    return rows
 
 
 def _inputs(batch: dict, dtype: torch.dtype, device, on_prompt) -> dict:

@@ -32,10 +32,31 @@ from pipeline import formats, ptq, sequential
 from pipeline.formats import FormatBase
 from pipeline.precision import Precision
 from pipeline.safetensors_io import write_tensors
-from pipeline.filehash import file_sha256
+from pipeline.filehash import cached_file_hash, file_hash, file_sha256, fingerprint
 
 INDEX = "index.json"
 REST = "rest"
+
+
+def code_files() -> list[Path]:
+    """The source whose code decides a cast's bytes: this module, the methods, the formats and the native kernels."""
+    pipeline, native = Path(__file__).parent, Path(__file__).parent.parent / "native"
+    modules = ("direct_cast", "ptq", "sequential", "precision", "quant", "layout", "native", "cpu_numerics")
+    return ([pipeline / f"{m}.py" for m in modules] + sorted((pipeline / "formats").glob("*.py"))
+            + sorted(native.glob("*.[ch]")))
+
+
+def cast_fingerprint(fixed: list, teacher_dir: Path, calibration: str | None, code: list[Path] | None = None) -> str:
+    """What determines a cast's bytes: ``fixed`` (format, method, plan, fitted state, device, ...), the teacher's
+    config and weights, the calibration file (``None``: not read) and the casting code (:func:`code_files`). The
+    large files are hashed once per (path, size, modification time) (``filehash.cached_file_hash``)."""
+    import torch
+
+    weights = {f.name: cached_file_hash(f) for f in sorted(Path(teacher_dir).glob("*.safetensors"))}
+    code = code_files() if code is None else code
+    return fingerprint(fixed, file_hash(Path(teacher_dir) / "config.json"), weights,
+                       cached_file_hash(calibration) if calibration else None,
+                       {f.name: file_hash(f) for f in code}, torch.__version__)
 
 
 def group_of(name: str) -> str:

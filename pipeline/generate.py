@@ -5,7 +5,9 @@ Each finished shard is written (atomically) to a work directory outside the DVC 
 ``checkpoints/teacher-generate/``, with a fingerprint of its input, the parameters and the teacher; a rerun
 keeps every shard whose fingerprint matches, so a killed run resumes where it stopped. When all are done
 the output directory is assembled whole from them: it never holds a partial or stray file, and DVC's run
-cache can restore it like any other output. Shards are split across processes under ``accelerate``.
+cache can restore it like any other output. Pending shards are dealt to the processes under ``accelerate``; a
+process without one (or done with its own) hands over and leaves, and rank 0 assembles the output once every
+process has (``pipeline.ranks.collect``: no rank waits in a collective while another generates).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 from pipeline.chat import is_text_only, tokenizer_of
 from pipeline.diversity import diversity
 from pipeline.images import load_image
+from pipeline import ranks
 from pipeline.io import atomic_dir
+from pipeline.launch import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor
 from pipeline.params import bounded, non_negative, positive
 from pipeline.runtime import eos_ids
@@ -124,6 +128,7 @@ def run(p: GenerateParams, teacher: TeacherParams, in_dir: str | Path, out_dir: 
     """Answer every prompt shard of ``in_dir`` into ``out_dir``; returns the answers' diversity statistics."""
     from accelerate import Accelerator
 
+    ranks.init_process_group(launch_settings())
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     work.mkdir(parents=True, exist_ok=True)
     jobs = plan(p, teacher, in_dir, work)
@@ -146,19 +151,16 @@ def run(p: GenerateParams, teacher: TeacherParams, in_dir: str | Path, out_dir: 
                 meta = {"stage": "teacher-generate", "fingerprint": j.fingerprint, "params": asdict(p),
                         "teacher": teacher_identity(teacher), "input": j.source.name, **versions()}
                 write_shard(j.target, pa.Table.from_pylist(rows), meta)
-    accelerator.wait_for_everyone()
-    stats = {}
-    if accelerator.is_main_process:
-        with atomic_dir(out_dir) as tmp:
-            for j in jobs:
-                shutil.copyfile(j.target, tmp / j.target.name)
-        for stale in set(work.glob("shard-*.parquet")) - {j.target for j in jobs}:
-            stale.unlink()
-        responses, finished = [], []
+    if ranks.collect("teacher-generate", None) is None:
+        return {}                                  # rank 0 assembles
+    with atomic_dir(out_dir) as tmp:
         for j in jobs:
-            table, _ = read_shard(j.target, ["response_ids", "finished"])
-            responses += table.column("response_ids").to_pylist()
-            finished += table.column("finished").to_pylist()
-        stats = diversity(responses, finished)
-    accelerator.wait_for_everyone()
-    return stats
+            shutil.copyfile(j.target, tmp / j.target.name)
+    for stale in set(work.glob("shard-*.parquet")) - {j.target for j in jobs}:
+        stale.unlink()
+    responses, finished = [], []
+    for j in jobs:
+        table, _ = read_shard(j.target, ["response_ids", "finished"])
+        responses += table.column("response_ids").to_pylist()
+        finished += table.column("finished").to_pylist()
+    return diversity(responses, finished)

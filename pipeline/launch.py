@@ -39,6 +39,8 @@ class LaunchParams:
     compute_dtype: Literal["float32", "bfloat16"]  # fsdp2: the dtype of the gathered weights
     gradient_checkpointing: bool                   # qat-train: recompute activations in the backward pass
     teacher: Literal["replicate", "shard"]         # fsdp2: the frozen teacher whole on every rank, or sharded
+    timeout_s: float = positive()                  # every collective's (pipeline.ranks)
+    min_disk_mb_s: float = positive()              # the slowest read or write a wait for rank 0's allows
 
     def machines(self) -> int:
         """The machines the run spans: the topology's ``num_machines``, 1 without one."""
@@ -53,13 +55,6 @@ class Topology:
     main_port: int = positive(29500)
     rdzv_id: str = "s3d8"
     machine_rank: int | None = non_negative(None)   # null: $MACHINE_RANK (or $NODE_RANK), else 0
-
-
-def resolve_backend(backend: str) -> str:
-    if backend != "auto":
-        return backend
-    import torch
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def settings(params_path: str | Path = "params.yaml") -> LaunchParams:
@@ -175,6 +170,9 @@ def plan_main(argv: list[str]) -> int:
           f"params {' + '.join([args.params, *args.preset])}: {launch.num_processes} process(es), {launch.strategy}, "
           f"formats {', '.join(p['formats'])}")
     print(memory_plan.summary(phases, gpu, host, disk))
+    from pipeline import ranks
+    for line in ranks.planned_waits(p, counts):
+        print(f"wait: {line}")
     problems = memory_plan.check(phases, gpu, host, per_node) + memory_plan.check_disk(phases, disk)
     for line in problems:
         print(f"does not fit: {line}", file=sys.stderr)

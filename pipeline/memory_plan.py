@@ -290,8 +290,13 @@ def plan(params: dict, config=None, counts: dict | None = None, cache_copies: bo
     device = qat_device(config, counts, devices=D, workload=Workload(micro, qat.max_seq_len, tiles), compute_bytes=cb,
                         strategy=launch.strategy, teacher=launch.teacher,
                         checkpointing=launch.gradient_checkpointing, teacher_bytes=tb, kl_cache_bytes=kl)
-    rank0_teacher = tb * P if launch.teacher == "shard" and launch.strategy == "fsdp2" else per_node * tb * P
-    phases.append(Phase("qat-train", "load", host={"student_fp32_rank0": 4 * P, "teacher_load": rank0_teacher}))
+    # FSDP2: rank 0 alone reads the student (and a sharded teacher) and sends the others their shards, one after
+    # the other (the teacher's whole copy is gone before the student's is read); DDP: every rank reads both
+    fsdp = launch.strategy == "fsdp2"
+    rank0_teacher = tb * P if launch.teacher == "shard" and fsdp else per_node * tb * P
+    phases.append(Phase("qat-train", "load teacher", host={"teacher_load": rank0_teacher}))
+    phases.append(Phase("qat-train", "load student", host={"student_fp32_rank0" if fsdp else "student_fp32": (
+        1 if fsdp else per_node) * 4 * P}))
     # a checkpoint every qat.checkpoint_every steps before the last; the previous one is deleted once the next is
     # complete, so two lie on disk while one is written; the last one is still there when the student is saved
     checkpoints = min(2, (qat.steps - 1) // qat.checkpoint_every)
@@ -306,7 +311,9 @@ def plan(params: dict, config=None, counts: dict | None = None, cache_copies: bo
                              "pack-safetensors"))
     if "export-sqt" in disk:
         phases.append(stage_disk(Phase("export-sqt", "write"), "export-sqt"))
-    phases.append(Phase("eval", "lazy load", host={"packed_model": per_node * host["load_lazy"]}))
+    # every rank holds the bf16 teacher for the KL beside the packed model it scores
+    phases.append(Phase("eval", "lazy load", host={"teacher_load": per_node * tb * P,
+                                                   "packed_model": per_node * host["load_lazy"]}))
     return phases
 
 

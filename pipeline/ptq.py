@@ -205,7 +205,8 @@ def _collect(model, batches, names, fn) -> dict[str, torch.Tensor]:
 def input_sums(run, linears: dict[str, torch.nn.Linear], fn) -> dict[str, torch.Tensor]:
     """``sum fn(X) / n_rows`` (float32, summed in float64) of each Linear's inputs ``X`` (rows of ``d_in``) while
     ``run()`` runs, from forward pre-hooks; modules never called are absent. ``pipeline.sequential`` takes each
-    block's ``X^T X`` with it."""
+    block's ``X^T X`` with it. Memory: the float64 sums, plus while one module's is updated its float64 input rows
+    and ``fn`` of them (``calibrate.peak_bytes``)."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {n: 0 for n in linears}
 
@@ -213,7 +214,7 @@ def input_sums(run, linears: dict[str, torch.nn.Linear], fn) -> dict[str, torch.
         def pre(module, args):
             x = args[0].detach().reshape(-1, module.in_features).double()
             part = fn(x)
-            sums[name] = part if name not in sums else sums[name] + part
+            sums[name] = part if name not in sums else sums[name].add_(part)      # in place: one sum each
             counts[name] += x.shape[0]
         return pre
 
@@ -224,7 +225,8 @@ def input_sums(run, linears: dict[str, torch.nn.Linear], fn) -> dict[str, torch.
     finally:
         for handle in handles:
             handle.remove()
-    return {n: (sums[n] / counts[n]).float() for n in linears if counts[n]}
+    # each float64 sum freed as its float32 mean is made: never all of both at once
+    return {n: sums.pop(n).div_(counts[n]).float() for n in linears if counts[n]}
 
 
 def collect_importance(model: torch.nn.Module, batches, names=None) -> dict[str, torch.Tensor]:

@@ -3,14 +3,13 @@ and read back with errors that name the file."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.filehash import file_hash, file_sha256  # noqa: F401  (also imported from here)
+from pipeline.filehash import file_hash, file_sha256, fingerprint  # noqa: F401  (also imported from here)
 from pipeline.io import atomic_path
 
 META_KEY = b"s3d8_pipeline"
@@ -53,7 +52,3 @@ def shard_paths(directory: str | Path) -> list[Path]:
     return paths
 
 
-def fingerprint(*parts) -> str:
-    """A short stable hash of JSON-serialisable parts (parameters, input hashes)."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]

@@ -16,23 +16,23 @@ import argparse
 import os
 import shutil
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import torch
-from pipeline import direct_cast, formats, params
+from pipeline import direct_cast, formats, params, ranks
 from pipeline.calibrate import CALIBRATION, Calibration, calibration_fingerprint, calibration_inputs
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import check_states
 from pipeline.formats.base import check_weight
 from pipeline.io import atomic_dir
 from pipeline.launch import run_stage
+from pipeline.launch import settings as launch_settings
 from pipeline.precision import Precision
 from pipeline.models import load_config, load_model, load_processor, meta_model, quantised_weight_names, token_ids
 from pipeline.qat.data import model_inputs
 from pipeline.qat.distributed import device
-from pipeline.shards import file_hash, fingerprint
+from pipeline.filehash import file_hash
 from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
 from pipeline.teacher import local_dir
 
@@ -74,17 +74,22 @@ def main(argv: list[str] | None = None) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         set_threads(max(1, len(os.sched_getaffinity(0)) // local))
         in_order = method == "gptq" and cal.sequential
-        fp = fingerprint(fmt.name, method, plan.rules, file_hash(state_file), file_hash(root / "config.json"),
-                         file_hash(CALIBRATION) if calibration.path else None,
-                         calibration_fingerprint(cal, args.teacher_data) if in_order else None)
+        on = device()             # this process's GPU where there is one: the searches and GPTQ run there
+        launch = launch_settings()
+        if world > 1:
+            ranks.init_process_group(launch, backend="gloo")
+        # rank 0 hashes what determines the bytes (the teacher's weights, the calibration file: cached by path, size
+        # and modification time) while the others wait as long as reading them takes
+        read = [*root.glob("*.safetensors"), *([Path(CALIBRATION)] if calibration.path else [])]
+        fp = ranks.on_rank0(launch, sum(f.stat().st_size for f in read), lambda: direct_cast.cast_fingerprint(
+            [fmt.name, method, plan.rules, file_hash(state_file), on.type,
+             calibration_fingerprint(cal, args.teacher_data) if in_order else None], root, calibration.path), share=True)
         staging = Path(f"checkpoints/direct-cast/{fmt.name}")
         staging.mkdir(parents=True, exist_ok=True)
         mine = (list(groups) if rank == 0 else []) if in_order else direct_cast.deal(costs, world)[rank]
         todo = [g for g in mine if not direct_cast.finished(staging / f"{g}.safetensors", fp)]
         if rank == 0 and len(todo) < len(mine):
             console.print(f"direct-cast {fmt.name}: resuming, {len(mine) - len(todo)} of {len(mine)} files done")
-
-        on = device()             # this process's GPU where there is one: the searches and GPTQ run there
 
         def weight(name):
             w = reader.get(f"{name}.weight").float()
@@ -114,28 +119,26 @@ def main(argv: list[str] | None = None) -> None:
             for g in [] if in_order else todo:
                 direct_cast.cast_group(plan, groups[g], weight, fitted, hessian, method,
                                        staging / f"{g}.safetensors", fp, on_matrix=lambda: bar.advance(task))
-        if world > 1:
-            _wait_for_all()
-        if rank == 0:
-            out_dir = Path(f"models/direct-cast/{fmt.name}")
-            with atomic_dir(out_dir) as out:
-                for g in groups:
-                    os.replace(staging / f"{g}.safetensors", out / f"{g}.safetensors")
-                direct_cast.write_index(out, plan, method, groups,
-                                        {"fit_state": file_hash(state_file), "device": on.type, **versions()})
-            shutil.rmtree(staging, ignore_errors=True)
-            run_log(f"direct-cast-{fmt.name}", seconds=round(time.perf_counter() - began, 1), processes=world)
-            console.print(f"[green]direct-cast[/] {plan.describe()} ({method}): {len(names)} matrices in {len(groups)} "
-                          f"files -> {out_dir}")
+        if ranks.collect(f"direct-cast-{fmt.name}", None) is None:
+            return                                     # rank 0 assembles once every process has handed over
+        out_dir = Path(f"models/direct-cast/{fmt.name}")
+        with atomic_dir(out_dir) as out:
+            for g in groups:                           # linked: a crash here keeps every finished file staged
+                _link(staging / f"{g}.safetensors", out / f"{g}.safetensors")
+            direct_cast.write_index(out, plan, method, groups,
+                                    {"fit_state": file_hash(state_file), "device": on.type, **versions()})
+        shutil.rmtree(staging, ignore_errors=True)
+        run_log(f"direct-cast-{fmt.name}", seconds=round(time.perf_counter() - began, 1), processes=world)
+        console.print(f"[green]direct-cast[/] {plan.describe()} ({method}): {len(names)} matrices in {len(groups)} "
+                      f"files -> {out_dir}")
 
 
-def _wait_for_all() -> None:
-    """Every process's files written: a barrier that waits as long as the slowest process's share takes."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(days=1))
-    dist.barrier()
+def _link(source: Path, target: Path) -> None:
+    """``target`` the same file as ``source`` (a copy where they lie on different file systems)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 if __name__ == "__main__":

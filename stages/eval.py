@@ -21,7 +21,6 @@ import time
 
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import pyarrow.parquet as pq
-from accelerate import PartialState
 
 import pipeline.toy  # noqa: F401  (registers the toy tasks and image pool)
 from pipeline import params
@@ -45,9 +44,10 @@ def main(argv: list[str] | None = None) -> None:
         teacher: TeacherParams = doc["teacher"]
         set_threads(p.threads)
         began = time.perf_counter()
-        result, baselines, answers = run(p, teacher, doc["formats"], doc["heldout_prompts"], args.teacher_data)
-        if not PartialState().is_main_process:
+        out = run(p, teacher, doc["formats"], doc["heldout_prompts"], args.teacher_data)
+        if out is None:                                   # another rank writes the results
             return
+        result, baselines, answers = out
         with atomic_dir("reports/answers") as out:
             for name, table in answers.items():
                 pq.write_table(table, out / f"{name}.parquet")

@@ -205,13 +205,15 @@ def test_fsdp2_refuses_a_model_that_is_not_mllama():
 
 def test_a_stage_leaves_the_process_group_it_formed_also_on_error():
     """A gloo group left to interpreter exit once aborted a stage (exit -6) after its clean error message."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from pipeline.launch import run_stage
     from pipeline.qat.distributed import init_process_group
 
     def main(fail: bool):
-        init_process_group("gloo")
+        init_process_group("gloo", timedelta(minutes=1))
         assert dist.is_initialized()
         if fail:
             raise SystemExit(1)
@@ -225,7 +227,7 @@ def test_a_stage_leaves_the_process_group_it_formed_also_on_error():
     with pytest.raises(SystemExit):
         run(True)
     assert not dist.is_initialized()
-    init_process_group("gloo")                   # a group the caller formed stays
+    init_process_group("gloo", timedelta(minutes=1))     # a group the caller formed stays
     try:
         run(False)
         assert dist.is_initialized()

@@ -53,18 +53,33 @@ def test_check_names_the_phase_and_its_largest_terms(tmp_path, tiny_checkpoint):
     assert any("per GPU" in p and "teacher-generate" in p for p in on_gpu)
 
 
-def test_the_11b_preset_fits_8_gpus_of_80_gb():
-    """The README's 11B run (its preset and the 8-GPU launch preset) on the real config's counts: QAT fits an
-    80 GB GPU only with what the launch preset turns on (sharded teacher, checkpointing, bf16 compute)."""
+def _preset_11b():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import skeleton_11b
 
     config = skeleton_11b.full_11b_config()
-    counts = memory_plan.count_params(config)
     doc = yaml.safe_load((ROOT / "params.yaml").read_text())
     for preset in ("configs/llama-3.2-11b-vision.yaml", "configs/launch/gpu8-fsdp2-11b.yaml"):
         doc = params.merge(doc, yaml.safe_load((ROOT / preset).read_text()))
-    p = params.validate(doc)
+    return params.validate(doc), config, memory_plan.count_params(config)
+
+
+def test_the_readme_gives_the_host_ram_the_11b_plan_gives():
+    """Rank 0's load and save in qat-train, teacher-generate's and eval's node (every rank its bf16 teacher)."""
+    p, config, counts = _preset_11b()
+    host = {(ph.stage, ph.phase): ph.total("host") / 1e9 for ph in memory_plan.plan(p, config, counts)}
+    readme = (ROOT / "README.md").read_text().replace("\n", " ")
+    said = (f"rank 0 reads the fp32 student ({host['qat-train', 'load student']:.0f} GB of host RAM) and holds "
+            f"{host['qat-train', 'save']:.0f} GB while it saves it; every teacher-generate rank loads its bf16 teacher "
+            f"({host['teacher-generate', 'generate']:.0f} GB a node), every eval rank too "
+            f"({host['eval', 'lazy load']:.0f} GB a node with the packed model it scores)")
+    assert said in " ".join(readme.split()), said
+
+
+def test_the_11b_preset_fits_8_gpus_of_80_gb():
+    """The README's 11B run (its preset and the 8-GPU launch preset) on the real config's counts: QAT fits an
+    80 GB GPU only with what the launch preset turns on (sharded teacher, checkpointing, bf16 compute)."""
+    p, config, counts = _preset_11b()
     phases = memory_plan.plan(p, config, counts)
     assert memory_plan.check(phases, 80e9, 2e12, 8, stage="qat-train") == []
     train = next(ph for ph in phases if ph.phase == "train")
@@ -212,3 +227,18 @@ def test_the_plan_names_the_model_of_the_preset_it_was_given(tmp_path, tiny_chec
     assert f"config {snapshot / 'config.json'}" in capsys.readouterr().out
     assert launch.plan_main(["--params", str(path), "--config", "org/absent"]) == 1
     assert "org/absent: no config.json" in capsys.readouterr().err
+
+
+def test_the_plan_gives_each_wait_for_rank_0_a_timeout_from_its_bytes():
+    from datetime import timedelta
+
+    from pipeline import ranks
+
+    p, config, counts = _preset_11b()
+    lines = ranks.planned_waits(p, counts)
+    student = next(line for line in lines if "writes the fp32 student" in line)
+    assert f"{4 * counts['total'] / 1e9:.1f} GB" in student
+    assert str(timedelta(seconds=p["launch"].timeout_s + 4 * counts["total"] / (p["launch"].min_disk_mb_s * 1e6))) \
+        in student
+    p["launch"].num_processes = 1
+    assert ranks.planned_waits(p, counts) == []

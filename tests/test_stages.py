@@ -367,7 +367,7 @@ def test_calibrate_in_several_passes_writes_the_same_file(chain, tmp_path, teach
     bytes as one pass."""
     from pipeline.calibrate import passes
 
-    assert passes([4, 4, 8, 2], 8 * (16 + 16)) == [(0, 2), (2, 3), (3, 4)]
+    assert passes([4, 4, 8, 2], 8 * (16 + 16) + 8 * 16) == [(0, 2), (2, 3), (3, 4)]   # two sums + one product
     assert passes([100], 1.0) == [(0, 1)] and passes([], 1.0) == []
     cwd = workdir(tmp_path, teacher, **{"calibrate.hessian_memory_gb": 1e-9})
     shutil.copytree(chain / "data/teacher", cwd / "data/teacher")

@@ -9,11 +9,12 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from pipeline import formats
+from pipeline import formats, ranks
 from pipeline.chat import is_text_only
 from pipeline.eval.kl import HeldoutKL
 from pipeline.eval.runner import evaluate
 from pipeline.eval.tasks import family_of, load_task
+from pipeline.launch import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor, token_ids
 from pipeline.packed import load_packed_model, read_metadata
 from pipeline.packed_modules import DECODES, check_kernel
@@ -22,7 +23,6 @@ from pipeline.qat.data import load_examples, split_heldout
 from pipeline.recipe import STUDENTS
 from pipeline.stage import console
 from pipeline.teacher import TeacherParams, local_dir
-
 
 
 @dataclass
@@ -78,7 +78,7 @@ def _model_of(job: _Job, p: EvalParams, teacher, teacher_bytes: int, device):
 
 
 def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
-        teacher_data: str) -> tuple[dict, dict, dict[str, pa.Table]]:
+        teacher_data: str) -> tuple[dict, dict, dict[str, pa.Table]] | None:
     """``({"models": {name: {format, method, bpp, size_mb, kl, scores, avg}}, "scores_cleaned": {name:
     {task: score}}}, blind baselines, answers)``, ``answers`` one table of per-example answers per model.
     ``scores`` are lmms-eval's scoring of each generation; ``scores_cleaned`` the cleaned-up variant beside
@@ -86,12 +86,13 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
     the first model is scored.
 
     Under a launcher (``launch.num_processes`` > 1) the models are dealt round-robin to the ranks (each rank
-    holds the teacher, for the KL) and every rank returns the whole result, gathered in the one-process
-    order; each model is scored exactly as on one process. Models run on the rank's GPU when there is one
-    (``eval.kernel: native`` is the CPU's)."""
+    holds the teacher, for the KL); rank 0 returns the whole result, gathered in the one-process order, the
+    others None as soon as their models are scored (``pipeline.ranks.collect``: no rank waits in a collective
+    for another's model). Each model is scored exactly as on one process. Models run on the rank's GPU when
+    there is one (``eval.kernel: native`` is the CPU's)."""
     from accelerate import PartialState
-    from accelerate.utils import gather_object
 
+    ranks.init_process_group(launch_settings())
     state = PartialState(cpu=not torch.cuda.is_available())
     device = state.device
     chosen = [formats.comparison(f, "parameter formats: format") for f in fmts]
@@ -133,8 +134,10 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
         console.print(f"  avg {result.avg:.3f}  " + "  ".join(f"{t} {s:.3f}" for t, s in scores.items()))
         done.append((job, record, result.examples, {t: float(s) for t, s in result.scores_cleaned.items()}))
         del model
-    if state.num_processes > 1:
-        done = gather_object(done)
+    gathered = ranks.collect("eval", done)
+    if gathered is None:
+        return None
+    done = [d for part in gathered for d in part]
     order = {(j.name, j.method): i for i, j in enumerate(jobs)}
     models, cleaned, baselines, answers = {}, {}, {}, {}
     for job, record, examples, scores_cleaned in sorted(done, key=lambda d: order[(d[0].name, d[0].method)]):

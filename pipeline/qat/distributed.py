@@ -42,11 +42,11 @@ class ReshardError(ValueError):
     (starting afresh would silently throw its steps away)."""
 
 
-def init_process_group(backend: str) -> None:
-    """Join the ranks torchrun started, or form a group of one (a single process runs FSDP2 too)."""
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the ranks torchrun started, or form a group of one (a single process runs FSDP2 too); ``timeout``
+    bounds every collective (``pipeline.ranks``)."""
     if dist.is_initialized():
         return
-    timeout = datetime.timedelta(minutes=30)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -11,14 +11,14 @@ data, is a ValueError: the loop reports it and starts afresh.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from pipeline import ranks
 from pipeline.io import atomic_dir
-from pipeline.launch import LaunchParams, resolve_backend
+from pipeline.launch import LaunchParams
 from pipeline.models import load_config, load_model, meta_model
 from pipeline.qat.modules import _FakeQuant
 from pipeline.safetensors_io import write_tensors
@@ -101,8 +101,8 @@ class AccelerateEngine:
     def __init__(self, launch: LaunchParams) -> None:
         from accelerate import Accelerator
 
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
-            torch.distributed.init_process_group(resolve_backend(launch.backend))   # accelerate joins this group
+        ranks.init_process_group(launch)                 # accelerate joins this group
+        self.launch = launch
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.device = self.accelerator.device
@@ -131,8 +131,11 @@ class AccelerateEngine:
         return load_checkpoint(path, self.accelerator.unwrap_model(student), optimizer, fingerprint)
 
     def save(self, path, student, optimizer, step, history, fingerprint) -> None:
-        if self.accelerator.is_main_process:
-            save_checkpoint(path, self.accelerator.unwrap_model(student), optimizer, step, history, fingerprint)
+        """Rank 0 writes the checkpoint (fp32 model and AdamW's two moments) while the others wait for it."""
+        model = self.accelerator.unwrap_model(student)
+        nbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+        ranks.on_rank0(self.launch, nbytes,
+                       lambda: save_checkpoint(path, model, optimizer, step, history, fingerprint))
 
     def reduce_sum(self, tensor):
         return self.accelerator.reduce(tensor, "sum")
@@ -173,7 +176,7 @@ class FSDP2Engine:
 
         self.d = distributed
         self.launch = launch
-        distributed.init_process_group(resolve_backend(launch.backend))
+        distributed.init_process_group(ranks.resolve_backend(launch.backend), ranks.timeout(launch))
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.device = distributed.device()
 
@@ -184,7 +187,7 @@ class FSDP2Engine:
         self.teacher_dtype = dtype
         if self.launch.teacher != "shard":
             return load_model(source, dtype).to(self.device)
-        full = load_model(source, dtype) if self.rank == 0 else None
+        full = ranks.on_rank0(self.launch, ranks.teacher_bytes(source), lambda: load_model(source, dtype))
         model = meta_model(load_config(source), dtype).eval()
         self.d.shard(model)
         self.d.fill_from_rank0(model, full, self.device)
@@ -196,10 +199,14 @@ class FSDP2Engine:
         ever holds the whole model (at 11B: 42 GB of fp32 per process that a node would otherwise hold 8
         times)."""
         dtype = torch.bfloat16 if launch.compute_dtype == "bfloat16" else None
-        full = None
-        if self.rank == 0:
+
+        def read():
             full = load_model(source, torch.float32)
             quantise(full)
+            return full
+
+        # rank 0 reads the teacher's files and, with qat.init ptq, the cast's fp32 masters (twice their bf16 bytes)
+        full = ranks.on_rank0(launch, 3 * ranks.teacher_bytes(source), read)
         student = meta_model(load_config(source), torch.float32)
         quantise(student)
         train_mode(student, launch)
@@ -241,8 +248,9 @@ class FSDP2Engine:
 
     def save_student(self, student, processor, out_dir, quantiser_state, fmt_name: str):
         state = self.d.full_state_dict(student)          # collective; rank 0 holds it, on CPU
-        refit = None
-        if self.rank == 0:
+        nbytes = sum(p.numel() * 4 for p in student.parameters())
+
+        def write():
             weights, scales, modules = split_state(state, student)
             tensors, refit = quantiser_state(weights, scales, modules)
             with atomic_dir(out_dir) as tmp:
@@ -250,8 +258,10 @@ class FSDP2Engine:
                                                                if not k.endswith(".qat_log2_scale")})
                 processor.save_pretrained(tmp)
                 write_tensors(tmp / QAT_STATE, tensors, {"format": fmt_name})
+            return refit
+
+        refit = ranks.on_rank0(self.launch, nbytes, write)
         del state
-        self.barrier()
         return refit
 
     def finish(self, checkpoint: Path) -> None:
