@@ -265,6 +265,6 @@ class FSDP2Engine:
         return refit
 
     def finish(self, checkpoint: Path) -> None:
-        if self.rank == 0:
-            shutil.rmtree(checkpoint, ignore_errors=True)
-        self.barrier()
+        """The sharded checkpoint removed by rank 0 while the others wait as long as its bytes allow."""
+        size = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) if checkpoint.exists() else 0
+        ranks.on_rank0(self.launch, size, lambda: shutil.rmtree(checkpoint, ignore_errors=True))
