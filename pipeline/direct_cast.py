@@ -33,6 +33,7 @@ from pipeline.formats import FormatBase
 from pipeline.precision import Precision
 from pipeline.safetensors_io import write_tensors
 from pipeline.filehash import cached_file_hash, file_hash, file_sha256, fingerprint
+from pipeline.io import atomic_path
 
 INDEX = "index.json"
 REST = "rest"
@@ -101,7 +102,16 @@ def cast_group(plan: Precision, names: list[str], weight, fitted, hessian, metho
         tensors[f"{name}.master"] = master.cpu().contiguous()
         if on_matrix is not None:
             on_matrix()
-    write_tensors(path, tensors, {"format": plan.default.name, "method": method, "fingerprint": fingerprint})
+    write_group(path, tensors, {"format": plan.default.name, "method": method}, fingerprint)
+
+
+def write_group(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], fingerprint: str) -> None:
+    """A group file and, after it, its fingerprint beside it (``P.fingerprint``): the fingerprint stays out of the
+    file, so the cast's output has the same bytes whenever the tensors are the same (a code edit that changes
+    nothing it computes leaves the stages after it cached)."""
+    write_tensors(path, tensors, metadata)
+    with atomic_path(path.with_suffix(".fingerprint")) as tmp:
+        tmp.write_text(fingerprint)
 
 
 def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, method: str, staging: Path, fingerprint: str,
@@ -132,19 +142,22 @@ def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, method: st
         for g in sorted({group_of(n) for n in names}):
             mine = [n for n in names if group_of(n) == g and n in pending]
             if mine:
-                write_tensors(staging / f"{g}.safetensors", {k: v for n in mine for k, v in pending.pop(n).items()},
-                              {"format": plan.default.name, "method": method, "fingerprint": fingerprint})
+                write_group(staging / f"{g}.safetensors", {k: v for n in mine for k, v in pending.pop(n).items()},
+                            {"format": plan.default.name, "method": method}, fingerprint)
 
     sequential.cast_sequentially(model, inputs, cast, done)
 
 
 def finished(path: Path, fingerprint: str) -> bool:
-    """Whether ``path`` is a group file this run can keep (written for the same inputs)."""
-    if not path.exists():
+    """Whether ``path`` is a group file this run can keep: written for the same inputs (its fingerprint file, written
+    after it, says so) and readable."""
+    mark = path.with_suffix(".fingerprint")
+    if not path.exists() or not mark.exists() or mark.read_text() != fingerprint:
         return False
     try:
         with safe_open(str(path), "pt") as f:
-            return (f.metadata() or {}).get("fingerprint") == fingerprint
+            f.keys()
+        return True
     except Exception:           # a foreign or damaged file is redone, never trusted
         return False
 

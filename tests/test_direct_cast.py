@@ -75,3 +75,27 @@ def test_large_files_are_hashed_once_per_size_and_mtime(tmp_path, monkeypatch):
     data.write_bytes(b"y" * 1000)
     os.utime(data, ns=(1, 1))
     assert filehash.cached_file_hash(data, cache) != first and len(reads) == 2
+
+
+def test_the_fingerprint_lies_beside_the_group_file_not_in_it(tmp_path):
+    """The output's bytes depend on the tensors alone: a run whose fingerprint changed (a code edit) but whose cast
+    did not writes the same files, so the stages after direct-cast stay cached."""
+    import torch
+    from safetensors import safe_open
+
+    from pipeline.direct_cast import finished, write_group
+
+    path = tmp_path / "rest.safetensors"
+    tensors = {"a.weight.packed": torch.arange(6, dtype=torch.uint8)}
+    write_group(path, tensors, {"format": "s3d8", "method": "gptq"}, "fp-1")
+    first = path.read_bytes()
+    assert finished(path, "fp-1") and not finished(path, "fp-2")
+    with safe_open(str(path), "pt") as f:
+        assert "fingerprint" not in (f.metadata() or {})
+    write_group(path, tensors, {"format": "s3d8", "method": "gptq"}, "fp-2")
+    assert path.read_bytes() == first and finished(path, "fp-2")
+    path.with_suffix(".fingerprint").unlink()
+    assert not finished(path, "fp-2")                  # a file without its mark (a crash between the two) is redone
+    path.with_suffix(".fingerprint").write_text("fp-2")
+    path.write_bytes(first[:20])
+    assert not finished(path, "fp-2")                  # a damaged file is redone
