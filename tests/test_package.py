@@ -38,7 +38,8 @@ EXTRAS = {
     "eval": {"pyarrow", "datasets"},
     "pipeline": {"dvc", "dvclive", "accelerate", "ruamel-yaml", "matplotlib", "gguf", "pyarrow", "datasets"},
     "bench": {"llama-cpp-python", "gguf"},
-    "dev": {"pytest", "hypothesis", "dvc", "dvclive", "datasets", "matplotlib"},
+    "serve": {"starlette", "uvicorn"},
+    "dev": {"pytest", "hypothesis", "dvc", "dvclive", "datasets", "matplotlib", "starlette", "uvicorn", "openai"},
 }
 HEAVY = {"dvc", "dvclive", "datasets", "matplotlib", "pyarrow", "accelerate", "pandas", "llama-cpp-python"}
 
