@@ -5,7 +5,8 @@
 
 Each model is served in a child process (``python -m pipeline.serve``; llama.cpp's by ``python -m
 llama_cpp.server``, the ``[bench]`` extra with its server's packages), then ``C`` clients (threads) each send
-``--requests`` streamed chat requests one after another (greedy, ``max_tokens``, a different question per client),
+``--requests`` streamed greedy requests one after another (``max_tokens``; a different question per client, in the
+model's chat template, sent to ``/v1/completions``: see :func:`stream_chat`),
 for each ``C`` of ``--clients``. Per client: time to first token and tokens/s after it; aggregate: the
 completion tokens of all clients / the wall time of the load. Counts come from the servers' ``usage``
 (``stream_options.include_usage``), else from the streamed chunks. Defaults: the pipeline's packed toy
@@ -77,11 +78,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_chat(url: str, question: str, max_tokens: int) -> dict:
-    """One streamed greedy chat request: ``{ttft_s, seconds, tokens, text}``."""
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+def stream_chat(url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy request of ``prompt`` (the chat template already applied) to ``/v1/completions``:
+    ``{ttft_s, seconds, tokens, text}``. The completions endpoint, not chat: llama-cpp-python 0.3.36's chat path
+    crashed its server here (a segmentation fault in ``create_chat_completion``), its completions path did not;
+    both servers get the same templated text."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0, first, chunks, usage, text = time.perf_counter(), None, 0, None, []
     with urllib.request.urlopen(req, timeout=1800) as r:
@@ -92,7 +96,7 @@ def stream_chat(url: str, question: str, max_tokens: int) -> dict:
             event = json.loads(line[5:])
             usage = event.get("usage") or usage
             for c in event.get("choices") or []:
-                piece = (c.get("delta") or {}).get("content")
+                piece = c.get("text") or (c.get("delta") or {}).get("content")
                 if piece:
                     first = first or time.perf_counter()
                     chunks += 1
@@ -102,7 +106,16 @@ def stream_chat(url: str, question: str, max_tokens: int) -> dict:
     return {"ttft_s": (first or end) - t0, "seconds": end - t0, "tokens": tokens, "text": "".join(text)}
 
 
-def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+def prompts(model_dir: Path) -> list[str]:
+    """:data:`QUESTIONS` in the model's chat template (its tokenizer beside the packed file)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in QUESTIONS]
+
+
+def load(url: str, clients: int, requests: int, max_tokens: int, texts: list[str]) -> dict:
     """``clients`` threads, each ``requests`` requests in turn; per-client and aggregate numbers."""
     results: list[list[dict]] = [[] for _ in range(clients)]
     errors: list[str] = []
@@ -110,7 +123,7 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     def client(i: int) -> None:
         for r in range(requests):
             try:
-                results[i].append(stream_chat(url, QUESTIONS[(i + r) % len(QUESTIONS)], max_tokens))
+                results[i].append(stream_chat(url, texts[(i + r) % len(texts)], max_tokens))
             except Exception as e:  # noqa: BLE001 - a lost request is a result of the load
                 errors.append(f"client {i} request {r}: {type(e).__name__}: {e}")
 
@@ -125,11 +138,11 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     per_client = [sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for rs in results if rs]
     after_first = [(r["tokens"] - 1) / (r["seconds"] - r["ttft_s"]) for r in done
                    if r["tokens"] > 1 and r["seconds"] > r["ttft_s"]]
-    texts: dict[str, set] = {}
+    answers: dict[str, set] = {}
     for i, rs in enumerate(results):
         for r, res in enumerate(rs):
-            texts.setdefault(QUESTIONS[(i + r) % len(QUESTIONS)], set()).add(res["text"])
-    return {"clients": clients, "requests": len(done), "texts": texts, "lost": clients * requests - len(done), "errors": errors[:5],
+            answers.setdefault(QUESTIONS[(i + r) % len(QUESTIONS)], set()).add(res["text"])
+    return {"clients": clients, "requests": len(done), "texts": answers, "lost": clients * requests - len(done), "errors": errors[:5],
             "wall_s": round(wall, 3), "completion_tokens": sum(r["tokens"] for r in done),
             "aggregate_tokens_per_s": round(sum(r["tokens"] for r in done) / wall, 2),
             "per_client_tokens_per_s": round(sum(per_client) / len(per_client), 2) if per_client else None,
@@ -174,18 +187,18 @@ def llama_cpp_server_status() -> str | None:
     return None
 
 
-def measure(name: str, argv: list[str], ours: bool, args) -> dict:
+def measure(name: str, argv: list[str], ours: bool, args, texts: list[str]) -> dict:
     """Every client count against one server; the answers of one question compared across loads (a mix-up
     under load shows as a different greedy answer)."""
     server = Child(argv, args.threads, ours)
     try:
-        stream_chat(server.url, QUESTIONS[0], 8)                               # warm-up, not measured
+        stream_chat(server.url, texts[0], 8)                                   # warm-up, not measured
         loads, answers = [], {}
         for c in args.clients:
             print(f"  {name} ({'s3d8 serve' if ours else 'llama.cpp server'}): {c} client(s) ...", flush=True)
-            loads.append(load(server.url, c, args.requests, args.max_tokens))
-            for q, texts in loads[-1].pop("texts").items():
-                answers.setdefault(q, set()).update(texts)
+            loads.append(load(server.url, c, args.requests, args.max_tokens, texts))
+            for q, got in loads[-1].pop("texts").items():
+                answers.setdefault(q, set()).update(got)
     finally:
         server.stop()
     return {"model": name, "server": "s3d8 serve" if ours else "llama.cpp server", "loads": loads,
@@ -260,12 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         gguf = {}
     rows = []
     for name, path in ours.items():
+        texts = prompts(path)
         rows.append(measure(name, [sys.executable, "-m", "pipeline.serve", str(path), "--threads", str(args.threads),
-                                   "--max-batch", str(max(args.clients)), "--model-name", name], True, args))
+                                   "--max-batch", str(max(args.clients)), "--model-name", name], True, args, texts))
         if name in gguf:
             rows.append(measure(name, [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf[name]),
                                        "--n_threads", str(args.threads), "--n_ctx", "2048", "--host", "127.0.0.1"],
-                                False, args))
+                                False, args, texts))
             notes.append(f"{name}: llama.cpp serves {gguf[name].name}")
     for r in rows:
         notes.append(f"{r['model']} on {r['server']}: {r['questions_answered_differently']} of {r['questions']} "
