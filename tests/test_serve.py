@@ -162,6 +162,24 @@ def test_concurrent_clients_get_their_own_answers(llama_server):
     assert got == alone
 
 
+def test_a_sequence_ending_before_the_others_leaves_them_running(llama_server):
+    """Requests of different lengths at once: the short ones end (and leave the batch) while the long ones go on."""
+    got = {}
+
+    def ask(n):
+        got[n] = chat(llama_server, "the cat", max_tokens=n, temperature=0).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(n,)) for n in (40, 3, 25, 1, 12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    longest = chat(llama_server, "the cat", max_tokens=40, temperature=0).choices[0].message.content
+    assert set(got) == {40, 3, 25, 1, 12} and got[40] == longest
+    assert all(longest.startswith(got[n]) for n in got)
+    assert llama_server.get("/health")["processing"] == 0
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ({"messages": "hello"}, 400, "messages"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 from collections import deque
@@ -20,7 +21,7 @@ from pipeline.runtime_models import LeanLlama, RuntimeInputError, model_kind, re
 from pipeline.serve.requests import ServeError, _number, bad, chat_messages, sampling_of
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One request as the worker sees it; ``out`` receives ``("token", id)``, ``("end", finish_reason)`` or
     ``("error", message)`` on the event loop that made it."""
@@ -40,7 +41,7 @@ class Job:
     def send(self, kind: str, value) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
 
-@dataclass
+@dataclass(eq=False)                # compared by identity (its fields hold tensors)
 class _Sequence:
     job: Job
     slot: object
@@ -164,9 +165,16 @@ class Engine:
                         return
                     admitted = [(self.pending.popleft(), self.slots.pop())
                                 for _ in range(min(len(self.pending), len(self.slots)))]
-                for job, slot in admitted:
-                    self._start(job, slot)
-                self._round()
+                try:
+                    for job, slot in admitted:
+                        self._start(job, slot)
+                    self._round()
+                except Exception as e:  # noqa: BLE001 - the worker must outlive a bug: fail what runs, go on
+                    print(f"s3d8 serve: worker error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    for seq in self.active:
+                        seq.job.send("error", f"{type(e).__name__}: {e}")
+                    self.slots += [seq.slot for seq in self.active]
+                    self.active = []
 
     def _start(self, job: Job, slot) -> None:
         if job.cancelled:
