@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -47,13 +48,15 @@ class Child:
     def __init__(self, argv: list[str], threads: int, ours: bool) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.port = _free_port()
+        self.log = tempfile.TemporaryFile(mode="w+")          # not a pipe: llama.cpp logs more than a pipe holds
         self.proc = subprocess.Popen([*argv, "--port", str(self.port)], cwd=ROOT, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 600
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(argv[:4])}: the server exited: {self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"{' '.join(argv[:4])}: the server exited: {self.log.read()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + ("/health" if ours else "/v1/models"), timeout=2):
                     return
