@@ -83,8 +83,17 @@ class Engine:
         self.active: list[_Sequence] = []
         self.cond = threading.Condition()
         self.closing = False
+        self.worker = None                  # run(): the caller's thread, or start() for a thread of its own
+
+    def start(self) -> None:
+        """The worker in a thread of its own (tests, embedding); ``s3d8 serve`` runs it on the main thread instead:
+        the native decode step runs ~5x slower from a thread other than the main one here (OpenMP)."""
         self.worker = threading.Thread(target=self._run, name="s3d8-serve-worker", daemon=True)
         self.worker.start()
+
+    def run(self) -> None:
+        """The worker loop on the calling thread, until :meth:`close` and every request is answered."""
+        self._run()
 
     # requests -> jobs (on the event loop)
     def detok(self, tokens: list[int]) -> str:
@@ -145,7 +154,8 @@ class Engine:
         with self.cond:
             self.closing = True
             self.cond.notify()
-        self.worker.join()
+        if self.worker is not None and self.worker is not threading.current_thread():
+            self.worker.join()
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.name, "slots": self.max_batch,
