@@ -157,6 +157,18 @@ class _WeightWriter:
             self.writer.write(f"{self.name}.{s}", torch.cat(parts) if rows == self.specs[s][1][0] else parts[0])
 
 
+def stream_blocks(s: "_Synth", shape: tuple[int, int], parts: list["_WeightWriter"]) -> None:
+    """One weight drawn a row block at a time, each block packed by every file's writer, then their other tensors."""
+    rows = block_rows(shape)
+    for r0 in range(0, shape[0], rows):        # a block drawn once, packed in every format
+        block = s.rows(r0, min(r0 + rows, shape[0]))
+        for part in parts:
+            part.block(block)
+        del block
+    for part in parts:
+        part.finish()
+
+
 def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int = 0,
                     formats: tuple[str, ...] = FORMATS, progress=None) -> dict[str, Path]:
     """Write ``out_dir/<preset>/<fmt>.safetensors`` for each format in one pass; returns the paths."""
@@ -191,15 +203,7 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
                 for w in writers.values():
                     w.write(tname, v)
                 continue
-            rows = block_rows(shape)
-            parts = [_WeightWriter(w, fmts[f], states[f], tname, shape) for f, w in writers.items()]
-            for r0 in range(0, shape[0], rows):        # a block drawn once, packed in every format
-                block = s.rows(r0, min(r0 + rows, shape[0]))
-                for part in parts:
-                    part.block(block)
-                del block
-            for part in parts:
-                part.finish()
+            stream_blocks(s, shape, [_WeightWriter(w, fmts[f], states[f], tname, shape) for f, w in writers.items()])
         ok = True
     finally:
         for w in writers.values():

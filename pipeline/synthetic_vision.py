@@ -28,7 +28,7 @@ from pipeline import formats as registry
 from pipeline.mllama_shape import Size, build_processor, skeleton_config
 from pipeline.precision import Precision
 from pipeline.safetensors_io import StreamingWriter
-from pipeline.synthetic import BASE_STD, COL_SIGMA, DEFAULT_DIR, ROW_SIGMA, STUDENT_DF, _Synth, _WeightWriter, block_rows
+from pipeline.synthetic import BASE_STD, COL_SIGMA, DEFAULT_DIR, ROW_SIGMA, STUDENT_DF, _Synth, _WeightWriter, stream_blocks
 
 PRESETS = {
     "synthetic-11b-vision": Size(text_layers=40, cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
@@ -111,16 +111,8 @@ def write_vision(preset: str | Size, out_dir: str | Path = DEFAULT_DIR, *, files
                     w.write(n, v.to(torch.bfloat16))
                 continue
             flat = (shape[0], math.prod(shape[1:]))
-            parts = [_WeightWriter(w, fmt_of[f][n] or keep, states.get((fmt_of[f][n] or keep).name, {}), n, flat)
-                     for f, w in writers.items()]
-            rows = block_rows(flat)
-            for r0 in range(0, flat[0], rows):
-                block = s.rows(r0, min(r0 + rows, flat[0]))
-                for part in parts:
-                    part.block(block)
-                del block
-            for part in parts:
-                part.finish()
+            stream_blocks(s, flat, [_WeightWriter(w, fmt_of[f][n] or keep, states.get((fmt_of[f][n] or keep).name, {}),
+                                                  n, flat) for f, w in writers.items()])
         ok = True
     finally:
         for w in writers.values():
