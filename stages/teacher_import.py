@@ -5,7 +5,9 @@
 Reads ``teacher.source`` (a local Hugging Face directory, a hub id, a ``.gguf`` file or
 ``gguf:<pip distribution>:<file>``) and writes ``teacher.dir`` (config, ``model.safetensors`` in bf16, tokenizer
 and chat template, generation config, ``teacher_import.json`` naming the source, its package version and hash),
-replaced whole. The same as ``python -m pipeline.teacher import SOURCE OUT_DIR``.
+replaced whole. ``teacher.rotate`` (orthogonal | hadamard) rotates a text Llama's residual stream on the way
+(``pipeline.rotate``: the same function, in float32; set ``teacher.dtype: float32`` so that stages compute with it
+unrounded). The same as ``python -m pipeline.teacher import SOURCE OUT_DIR [--rotate KIND]``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with stage_errors("teacher-import"):
         teacher = params.load(TeacherParams, "teacher", args.params)
-        record = import_teacher(teacher.source, teacher.dir)       # a SourceError is a ValueError: one line
-        console.print(f"[green]teacher-import[/] {teacher.source} -> {teacher.dir} ({record['kind']})")
+        if teacher.rotate != "none" and teacher.dtype != "float32":
+            raise ValueError(f"parameter teacher.rotate={teacher.rotate} needs teacher.dtype: float32 (is "
+                             f"{teacher.dtype}): the rotated teacher is exact only unrounded")
+        record = import_teacher(teacher.source, teacher.dir, teacher.rotate, teacher.rotate_seed)       # a SourceError is a ValueError: one line
+        rotated = f", rotated: {teacher.rotate}" if teacher.rotate != "none" else ""
+        console.print(f"[green]teacher-import[/] {teacher.source} -> {teacher.dir} ({record['kind']}{rotated})")
 
 
 if __name__ == "__main__":

@@ -211,6 +211,33 @@ def test_import_of_hf_directory_is_bf16_and_rerun_replaces(tmp_path):
         assert torch.equal(ours[k], v.to(torch.bfloat16).float()), k
 
 
+def test_rotated_import_is_the_same_model_in_float32(tmp_path, capsys):
+    """``teacher.rotate``: the imported teacher's residual stream rotated, written in float32: its logits equal the
+    plain import's to float32 rounding, its head untied, its norms 1; a rerun gives the same bytes."""
+    tiny_llama(tied=True).save_pretrained(tmp_path / "src")
+    plain = import_teacher(str(tmp_path / "src"), tmp_path / "plain")
+    record = import_teacher(str(tmp_path / "src"), tmp_path / "rot", rotate="orthogonal", rotate_seed=5)
+    assert "rotate" not in plain and record["rotate"] == {"kind": "orthogonal", "seed": 5, "dtype": "float32"}
+    config = json.loads((tmp_path / "rot" / "config.json").read_text())
+    assert config["dtype"] == "float32" and not config["tie_word_embeddings"]
+    a, b = load_dir(tmp_path / "plain"), load_dir(tmp_path / "rot")
+    assert b.lm_head.weight.dtype == torch.float32 and b.lm_head.weight is not b.model.embed_tokens.weight
+    assert torch.equal(b.model.norm.weight, torch.ones_like(b.model.norm.weight))
+    ids = torch.randint(0, a.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
+    assert float((la - lb).abs().max()) < 1e-4 * float(la.abs().max())
+    import_teacher(str(tmp_path / "src"), tmp_path / "rot2", rotate="orthogonal", rotate_seed=5)
+    assert file_sha256(tmp_path / "rot" / "model.safetensors") == file_sha256(tmp_path / "rot2" / "model.safetensors")
+    from tests.conftest import tiny_mllama
+
+    tiny_mllama().save_pretrained(tmp_path / "mllama")
+    rc, err = run_main(capsys, tmp_path / "mllama", tmp_path / "bad", "--rotate", "hadamard")
+    assert rc == 1 and "only a text Llama is rotated (this is 'mllama')" in err and not (tmp_path / "bad").exists()
+    with pytest.raises(gguf_import.SourceError, match="teacher.rotate='spin': expected one of none, orthogonal"):
+        import_teacher(str(tmp_path / "src"), tmp_path / "bad", rotate="spin")
+
+
 def run_main(capsys, *argv) -> tuple[int, str]:
     rc = main(["import", *map(str, argv)])
     err = capsys.readouterr().err
