@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         states = {n: st for n, st in states.items() if plan.format_of(n) is not None}   # bf16: kept as it is
         other = {n: f for n in states if (f := plan.format_of(n)) is not fmt}
         report = {}
+        # a rotated teacher (teacher.rotate) is another basis of the same model: the packed file says which
+        rotated = {"rotate": teacher.rotate, "rotate_seed": teacher.rotate_seed} if teacher.rotate != "none" else {}
         trained = qat_state(f"models/qat/{fmt.name}", plan)
         with atomic_dir(f"models/packed/{fmt.name}") as out:
             for method, source in (("direct-cast", teacher_dir), ("qat", f"models/qat/{fmt.name}")):
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
                                               teacher_name=teacher.name, dtype=dtype_of(p.dtype),
                                               metadata={"config": config, "method": method,
                                                         "source_model": teacher.source, "teacher": teacher.name,
-                                                        "pack_params": asdict(p), **versions()},
+                                                        "pack_params": asdict(p), **versions(), **rotated},
                                               progress=lambda name: bar.advance(task), other=other)
                 report[method] = {"size_mb": summary["file_bytes"] / 1e6,
                                   **{k: v for k, v in summary.items() if k not in ("format", "files")}}

@@ -357,13 +357,20 @@ def test_our_packed_rows_census_quality_and_speed(teacher, tmp_path):
     path = tmp_path / "packed" / "s3d8" / "direct-cast" / "model.safetensors"
     path.parent.mkdir(parents=True)
     write_packed(path, CheckpointReader(teacher_dir), fmt, states, metadata={"config": model.config.to_dict()})
+    rotated = tmp_path / "packed" / "s3d8-rotated" / "direct-cast" / "model.safetensors"
+    rotated.parent.mkdir(parents=True)        # pack-safetensors of a rotated teacher names its rotation
+    write_packed(rotated, CheckpointReader(teacher_dir), fmt, states,
+                 metadata={"config": model.config.to_dict(), "rotate": "orthogonal", "rotate_seed": 0})
     other = tmp_path / "packed" / "s3d8" / "qat" / "model.safetensors"
     other.parent.mkdir(parents=True)
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(1)}, str(other), metadata={"format": "s3d8", "config": json.dumps(
         {"model_type": "mllama", "vocab_size": 7})})
     found, notes = rm.packed_models(tmp_path / "packed", AutoConfig.from_pretrained(str(teacher_dir)))
-    assert [(m["format"], m["method"]) for m in found] == [("s3d8", "direct-cast")]
+    assert [(m["name"], m["format"], m["method"], m["rotate"]) for m in found] == [
+        ("ours s3d8 direct-cast", "s3d8", "direct-cast", "none"),
+        ("ours s3d8-rotated direct-cast", "s3d8", "direct-cast", "orthogonal")]
+    found = found[:1]
     assert len(notes) == 1 and "qat/model.safetensors: skipped (packed from another model" in notes[0]
     c = lc.packed_census(path)
     assert c["weights"] == sum(v.numel() for k, v in model.state_dict().items() if v.dim() == 2 and k != "lm_head.weight")

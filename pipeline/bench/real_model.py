@@ -227,7 +227,7 @@ def packed_models(root: str | Path, teacher_config) -> tuple[list[dict], list[st
             continue
         fmt, method = meta.get("format", path.parent.parent.name), path.parent.name
         found.append({"name": f"ours {path.parent.parent.name} {method}", "impl": "ours", "format": fmt,
-                      "method": method, "path": str(path)})
+                      "method": method, "path": str(path), "rotate": meta.get("rotate", "none")})
     return found, notes
 
 
