@@ -211,8 +211,49 @@ def test_report_table_goals_and_plot(tmp_path):
     speed = [ln for ln in lines if ln.startswith("- Decode, ")]
     assert len(speed) == 2 and "Q2_K, 20.0" in speed[0] and "1.50x" in speed[0] and "**met**" in speed[0]
     assert "1.16x" in speed[1] and "**NOT met**" in speed[1]
-    assert sum(ln.startswith("| ours s3d8 qat |") for ln in lines) == 2       # one row per thread count
+    assert sum(ln.startswith("| ours s3d8 qat | ours |") for ln in lines) == 2       # one row per thread count
     assert (tmp_path / "real_model.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_step_by_step_and_the_precision_plan_goals(tmp_path):
+    """Issue 38's goals pick our rows by their accounting (all S3D8 <= 2.75 bits; decoder Linears <= 2.8 with the
+    whole <= 4.0) and the llama.cpp rivals by type; the step-by-step table lists every model of ours once."""
+    def ours(name, method, bits, linears, mb, kl, ppl, rotate="none", precision=None):
+        return {**_row(name, "ours", "s3d8", method, bits, mb, kl, ppl), "bits_per_weight_linears": linears,
+                "rotate": rotate, "precision": precision or {}}
+
+    int8 = {"model.embed_tokens.weight": "int8"}
+    rows = [ours("ours s3d8 direct-cast", "direct-cast", 3.62, 2.69, 70, 0.40, 14.0, "orthogonal", int8),
+            ours("ours s3d8 qat", "qat", 3.62, 2.69, 70, 0.20, 11.9, "orthogonal", int8),
+            ours("ours s3d8-all direct-cast", "direct-cast", 2.69, 2.69, 45, 0.90, 21.0),
+            ours("ours s3d8-all qat", "qat", 2.69, 2.69, 45, 0.50, 16.0),
+            ours("ours s3d8-wide qat", "qat", 4.6, 2.69, 80, 0.01, 10.1, precision={"lm_head.weight": "int8",
+                                                                                   **int8}),
+            _row("llama.cpp Q4_0+embd:Q4_0", "llama.cpp", "Q4_0+embd:Q4_0", "q", 4.5, 78, 0.38, 12.0),
+            _row("llama.cpp IQ4_NL+embd:IQ4_NL", "llama.cpp", "IQ4_NL+embd:IQ4_NL", "q", 4.52, 78, 0.28, 11.8),
+            _row("llama.cpp Q2_K", "llama.cpp", "Q2_K", "q", 5.13, 88, 0.44, 13.0),
+            _row("llama.cpp Q4_1", "llama.cpp", "Q4_1", "q", 5.74, 98, 0.004, 10.0)]
+    rows[-1]["decode_tokens_per_s"] = 3.0                 # llama.cpp's fastest file: 10 tokens/s; ours 10: 1.0x
+    md = "\n".join(report.ablation(_data(rows)) + report.plan_goals(_data(rows)))
+    lines = md.splitlines()
+    assert lines[2].startswith("| teacher (tiny) | none | bf16 |")
+    assert "| ours s3d8 qat | orthogonal | s3d8; model.embed_tokens: int8 | 3.62 / 2.69 | 70.0 |" in md
+    assert "| llama.cpp Q4_1 |" not in md and "| llama.cpp Q2_K | none | Q2_K | 5.13 /" in md     # 5.74 > 5.5 bits
+    goal = {ln.split(":")[0]: ln for ln in lines if ln.startswith("- ")}
+    assert "ours s3d8-all direct-cast" in goal["- all S3D8 (<= 2.75 bits/weight, whole model), direct-cast"]
+    assert "2.10x the teacher's (goal <= 2.0x): **NOT met**" in md
+    assert "ours s3d8-all qat (2.69 / 2.69 bits) perplexity 16.000 = 1.60x" in md
+    paper = [ln for ln in lines if ln.startswith("- the paper's accounting")]
+    assert "ours s3d8 direct-cast" in paper[0] and "1.40x the teacher's (goal <= 1.45x): **met**" in paper[0]
+    assert "ours s3d8 qat" in paper[1] and "1.19x" in paper[1] and "**met**" in paper[1]      # not the 4.6-bit one
+    rivals = next(ln for ln in lines if "below llama.cpp's Q4_0+embd, IQ4_NL+embd, Q2_K" in ln)
+    assert "**NOT met**; not beaten on: IQ4_NL+embd:IQ4_NL (perplexity)" in rivals and "Q2_K (" not in rivals
+    stretch = next(ln for ln in lines if "every llama.cpp file at <= 5.5 bits (stretch)" in ln)
+    assert "IQ4_NL+embd:IQ4_NL (perplexity)" in stretch and "Q4_1" not in stretch
+    speed = next(ln for ln in lines if ln.startswith("- Decode on 1 thread"))
+    assert "1.00x (goal >= 3.0x): **NOT met**" in speed
+    report.write_report(_data(rows), tmp_path)
+    assert "## Goals of the precision plan (issue 38)" in (tmp_path / "real_model.md").read_text()
 
 
 def test_report_without_our_models_says_not_measured(tmp_path):

@@ -13,6 +13,13 @@ GOAL_MAX_BITS = 5.5          # llama.cpp files S3D8+QAT is compared with
 GOAL_SIZE_FRACTION = 0.5     # ... at this fraction of their size or less
 GOAL_PPL_FACTOR = 1.2        # S3D8+QAT perplexity within 20 % of the teacher's
 GOAL_SPEED = 1.3             # S3D8 decode vs llama.cpp's fastest file of the teacher, on each thread count
+# issue 38's goals: (label, which of our rows, direct-cast goal, QAT goal), perplexity as a multiple of the teacher's
+ALL_S3D8_BITS = 2.75         # "all S3D8": the whole model at most this many bits per weight
+PAPER_LINEAR_BITS, PAPER_WHOLE_BITS = 2.8, 4.0   # the paper's accounting: S3D8 decoder Linears, whole model
+PLAN_GOALS = (("all S3D8 (<= 2.75 bits/weight, whole model)", 2.0, 1.5),
+              ("the paper's accounting (decoder Linears <= 2.8 bits, embedding <= INT8, whole <= 4.0)", 1.45, 1.2))
+PLAN_RIVALS = ("Q4_0+embd", "IQ4_NL+embd", "Q2_K")   # llama.cpp files the paper-accounting QAT model must beat
+GOAL_PLAN_SPEED = 3.0        # its decode vs llama.cpp's fastest file, on 1 thread
 
 
 def _models(rows: list[dict]) -> list[dict]:
@@ -96,6 +103,88 @@ def goals(data: dict) -> list[str]:
     return out
 
 
+def _plan_rows(models: list[dict], which: int) -> list[dict]:
+    ours = [r for r in models if r["impl"] == "ours" and r["format"] == "s3d8" and _ok(r)]
+    if which == 0:
+        return [r for r in ours if r["bits_per_weight"] <= ALL_S3D8_BITS]
+    return [r for r in ours if (r.get("bits_per_weight_linears") or 99) <= PAPER_LINEAR_BITS
+            and r["bits_per_weight"] <= PAPER_WHOLE_BITS
+            and all(f in ("s3d8", "int8") for f in (r.get("precision") or {}).values())]
+
+
+def _rival(r: dict) -> str | None:
+    """Which of ``PLAN_RIVALS`` a llama.cpp row is (``Q4_0+embd:Q4_0`` is ``Q4_0+embd``; any Q2_K file is Q2_K)."""
+    base = generate.llama_cpp_type(r["format"])[0]
+    name = f"{base}+embd" if "+embd" in r["format"] else base
+    return name if name in PLAN_RIVALS else ("Q2_K" if base == "Q2_K" else None)
+
+
+def plan_goals(data: dict) -> list[str]:
+    """Issue 38's goals on the measured rows: the best direct cast and QAT model (lowest perplexity) of each
+    accounting against the teacher; the paper-accounting QAT model against llama.cpp's rivals and every file at
+    <= 5.5 bits; its decode speed on 1 thread."""
+    models, teacher_ppl = _models(data["rows"]), data["teacher"]["perplexity"]
+    llama = [r for r in models if r["impl"] == "llama.cpp" and _ok(r)]
+    out = []
+    for which, (label, goal_direct, goal_qat) in enumerate(PLAN_GOALS):
+        rows = _plan_rows(models, which)
+        for method, goal in (("direct-cast", goal_direct), ("qat", goal_qat)):
+            cands = [r for r in rows if r["method"] == method]
+            if not cands:
+                out.append(f"- {label}, {method}: **not measured** (no such row)")
+                continue
+            r = min(cands, key=lambda r: r["perplexity"])
+            x = r["perplexity"] / teacher_ppl
+            out.append(f"- {label}, {method}: {r['name']} ({r['bits_per_weight']:.2f} / "
+                       f"{_num(r.get('bits_per_weight_linears'), '.2f')} bits) perplexity {r['perplexity']:.3f} = "
+                       f"{x:.2f}x the teacher's (goal <= {goal}x): **{'met' if x <= goal else 'NOT met'}**")
+    qat = [r for r in _plan_rows(models, 1) if r["method"] == "qat"]
+    if qat and llama:
+        best = min(qat, key=lambda r: r["perplexity"])
+        for label, rivals in (("llama.cpp's " + ", ".join(PLAN_RIVALS), [r for r in llama if _rival(r)]),
+                              ("every llama.cpp file at <= 5.5 bits (stretch)",
+                               [r for r in llama if (r["bits_per_weight"] or 99) <= GOAL_MAX_BITS])):
+            fails = [f"{r['format']} ({', '.join(w)})" for r in rivals if (w := [
+                w for w, bad in (("perplexity", best["perplexity"] >= r["perplexity"]), ("KL", best["kl"] >= r["kl"]),
+                                 ("size", best["file_bytes"] >= r["file_bytes"])) if bad])]
+            out.append(f"- {best['name']} below {label} on perplexity and KL, at a smaller file: "
+                       f"**{'met' if rivals and not fails else 'NOT met'}**"
+                       + (f"; not beaten on: {', '.join(fails)}" if fails else "") + ("" if rivals else " (no file)"))
+    fast = [r for r in data["rows"] if r["impl"] == "llama.cpp" and r["threads"] == 1 and r.get("decode_tokens_per_s")]
+    ours = [r for r in data["rows"] if r["threads"] == 1 and r.get("decode_tokens_per_s")
+            and r["name"] in {m["name"] for m in _plan_rows(models, 1)}]
+    if fast and ours:
+        slow, best = min(ours, key=lambda r: r["decode_tokens_per_s"]), max(fast, key=lambda r: r["decode_tokens_per_s"])
+        ratio = slow["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+        out.append(f"- Decode on 1 thread, the paper-accounting models (slower: {slow['name']}, "
+                   f"{slow['decode_tokens_per_s']:.1f} tokens/s) vs llama.cpp's fastest file ({best['format']}, "
+                   f"{best['decode_tokens_per_s']:.1f}): {ratio:.2f}x (goal >= {GOAL_PLAN_SPEED}x): "
+                   f"**{'met' if ratio >= GOAL_PLAN_SPEED else 'NOT met'}**")
+    return out
+
+
+def _precision(r: dict) -> str:
+    """The precision plan a row applied: its format, and each weight held in another."""
+    other = r.get("precision") or {}
+    return r["format"] + "".join(f"; {k.removesuffix('.weight')}: {v}" for k, v in sorted(other.items()))
+
+
+def ablation(data: dict) -> list[str]:
+    """The teacher, each of our models (quality: one row per model) and llama.cpp's files at <= 5.5 bits."""
+    t = data["teacher"]["perplexity"]
+    md = ["| model | rotate | precision | bits/weight whole / decoder Linears | MB | KL | top-1 | perplexity | "
+          "x teacher |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+          f"| teacher ({data['teacher']['name']}) | none | bf16 | 16 / 16 | | 0 | 1 | {t:.3f} | 1.00 |"]
+    for r in _models(data["rows"]):
+        if r["impl"] == "llama.cpp" and (r["bits_per_weight"] or 99) > GOAL_MAX_BITS:
+            continue
+        md.append(f"| {r['name']} | {r.get('rotate', 'none')} | {_precision(r) if r['impl'] == 'ours' else r['format']}"
+                  f" | {_num(r['bits_per_weight'], '.2f')} / {_num(r.get('bits_per_weight_linears'), '.2f')} | "
+                  f"{r['file_bytes'] / 1e6:.1f} | {_num(r['kl'], '.4f')} | {_num(r['top1_agreement'], '.3f')} | "
+                  f"{_num(r['perplexity'], '.3f')} | {_num(r['perplexity'] and r['perplexity'] / t, '.2f')} |")
+    return md
+
+
 def _num(v, spec: str) -> str:
     return "" if v is None else format(v, spec)
 
@@ -133,7 +222,9 @@ def write_report(data: dict, out_dir: str | Path) -> None:
                   f"{_num(r['perplexity'], '.3f')} | {r['threads']} | {_num(r['prefill_tokens_per_s'], '.1f')} | "
                   f"{_num(r['decode_tokens_per_s'], '.2f')} | {counters} |"
                   + (f" error: {r['error']}" if r.get("error") else ""))
-    md += ["", "## Goals", "", *goals(data), "", "## What each llama.cpp file holds", "",
+    md += ["", "## Step by step: each of our models beside the teacher and llama.cpp's files at <= 5.5 bits", "",
+           *ablation(data), "", "## Goals of the precision plan (issue 38)", "", *plan_goals(data),
+           "", "## Goals of the first comparison (issue 25)", "", *goals(data), "", "## What each llama.cpp file holds", "",
            "| file | tensor types (count) | token_embd | bits/weight |", "| --- | --- | --- | --- |"]
     for name, c in data.get("census", {}).items():
         if "types" not in c:
