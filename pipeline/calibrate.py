@@ -17,6 +17,7 @@ prose corpus that perplexity is never measured on, :func:`pipeline.eval.text.cor
 ``file:PATH`` (a UTF-8 text file of the user's), the text cut into ``n_prompts`` windows of ``max_seq_len`` tokens,
 or ``self``: ``n_prompts`` sequences of ``max_seq_len`` tokens the teacher samples itself from its BOS token
 (temperature 1, seeded; no data needed, but on SmolLM2 it calibrated far worse than real prose: README).
+Sources joined by ``+`` (``corpus+teacher-answers``) are read one after another, ``n_prompts`` sequences each.
 With ``calibrate.sequential`` the direct cast takes each matrix's ``X^T X`` from the partly cast model itself
 (:mod:`pipeline.sequential`, over the same :func:`calibration_inputs`); this stage's teacher matrices then serve the
 QAT table refit only.
@@ -24,7 +25,7 @@ QAT table refit only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -66,10 +67,18 @@ TEXT_SOURCES = ("teacher-answers", "corpus", "self")
 
 
 def check_source(source: str) -> str:
-    """The ``calibrate.source`` parameter: one of :data:`TEXT_SOURCES` or ``file:PATH``."""
-    if source in TEXT_SOURCES or (source.startswith("file:") and len(source) > 5):
-        return source
-    raise ValueError(f"calibrate.source {source!r}: expected one of {', '.join(TEXT_SOURCES)} or file:PATH")
+    """The ``calibrate.source`` parameter: one of :data:`TEXT_SOURCES` or ``file:PATH``, or several joined by
+    ``+``."""
+    for part in source.split("+"):
+        if not (part in TEXT_SOURCES or (part.startswith("file:") and len(part) > 5)):
+            raise ValueError(f"calibrate.source {source!r}: {part!r} is not one of {', '.join(TEXT_SOURCES)} or "
+                             f"file:PATH (several joined by '+')")
+    return source
+
+
+def _parts(p: "CalibrateParams") -> list["CalibrateParams"] | None:
+    """A joined source's parts, each with the rest of ``p``; None for a single source."""
+    return [replace(p, source=s) for s in p.source.split("+")] if "+" in p.source else None
 
 
 @dataclass
@@ -80,7 +89,7 @@ class CalibrateParams:
     seed: int
     threads: int = non_negative()          # torch intra-op threads (0: torch's default)
     hessian_memory_gb: float = positive()  # the peak of a pass (float64 sums and one update's temporaries)
-    source: str                            # teacher-answers | corpus | self | file:PATH
+    source: str                            # teacher-answers | corpus | self | file:PATH, or several joined by +
     sequential: bool                       # the direct cast's X^T X from the partly cast model (GPTQ's order)
 
     def __post_init__(self) -> None:
@@ -89,6 +98,8 @@ class CalibrateParams:
 
 def calibration_fingerprint(p: CalibrateParams, teacher_data: str) -> list:
     """What determines :func:`calibration_inputs`: the parameters that choose the text and the text itself."""
+    if parts := _parts(p):
+        return [calibration_fingerprint(q, teacher_data) for q in parts]
     chosen = {k: getattr(p, k) for k in ("n_prompts", "max_seq_len", "seed", "source")}
     if p.source == "teacher-answers":
         return [chosen, [file_hash(s) for s in shard_paths(teacher_data)]]
@@ -124,7 +135,9 @@ def self_text(model, tokenizer, n: int, length: int, seed: int) -> list[list[int
 def calibration_inputs(p: CalibrateParams, processor, teacher_data: str, heldout: int, vocab: int,
                        pool: str | None = None, teacher=None) -> list[dict]:
     """The calibration sequences as model inputs (CPU, one sequence each, no padding), from ``p.source``
-    (``self``: sampled by ``teacher``, the unquantised model)."""
+    (``self``: sampled by ``teacher``, the unquantised model); a joined source's parts one after another."""
+    if parts := _parts(p):
+        return [x for q in parts for x in calibration_inputs(q, processor, teacher_data, heldout, vocab, pool, teacher)]
     if p.source == "teacher-answers":
         train, _ = split_heldout(load_examples(teacher_data, vocab), heldout)
         if not train:

@@ -273,3 +273,32 @@ def test_self_generated_calibration_text_is_seeded_and_full_length():
     assert drawn > uniform
     with pytest.raises(ValueError, match="teacher must be given"):
         calibration_inputs(p, tokenizer, "unused", 0, model.config.vocab_size)
+
+
+def test_joined_calibration_sources_read_each_in_turn(tmp_path):
+    """``calibrate.source: A+B``: A's n_prompts sequences, then B's, as each alone gives them; the fingerprint
+    changes with either part; a bad part is named."""
+    from types import SimpleNamespace
+
+    from pipeline.calibrate import CalibrateParams, calibration_fingerprint, calibration_inputs
+
+    model = tiny_llama(tied=True)
+    tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+    text = tmp_path / "a.txt"
+    text.write_text("x")
+
+    def params(source):
+        return CalibrateParams(n_prompts=2, max_seq_len=8, seed=4, threads=0, hessian_memory_gb=1.0, source=source,
+                               sequential=True)
+
+    def inputs(source):
+        return calibration_inputs(params(source), tokenizer, "unused", 0, model.config.vocab_size, teacher=model)
+
+    both, alone = inputs("self+self"), inputs("self")
+    assert len(both) == 4 and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(both, alone + alone))
+    fp = calibration_fingerprint(params(f"self+file:{text}"), "unused")
+    assert fp[0] == calibration_fingerprint(params("self"), "unused")
+    text.write_text("y")
+    assert calibration_fingerprint(params(f"self+file:{text}"), "unused") != fp
+    with pytest.raises(ValueError, match="'prose' is not one of teacher-answers, corpus, self or file:PATH"):
+        params("corpus+prose")
