@@ -110,7 +110,8 @@ def pack_model(args) -> dict:
         metadata = {"method": "direct-cast", "source_model": args.model, "config": json.loads(
             (source / "config.json").read_text()), "pack_command": {
                 "method": args.method, "precision": plan.rules, "rotate": args.rotate, "seed": args.seed,
-                "calibration": what, "windows": len(inputs), "window": args.window}}
+                "calibration": what, "windows": len(inputs), "window": args.window},
+            **({"rotate": args.rotate, "rotate_seed": args.seed} if args.rotate != "none" else {})}
         if as_dir:      # the Hugging Face directory pack-safetensors writes (config, processor, card), atomically
             from pipeline.hf_write import write_model_dir
 
