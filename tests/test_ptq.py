@@ -52,6 +52,20 @@ def test_encode_with_absmax_scale_equals_encode():
     assert torch.equal(bits(s3d8.quantize_with_scale(W, table, scale)), bits(s3d8.quantize(W, table, use_native=False)))
 
 
+def test_quantize_with_scale_native_equals_the_reference():
+    """The scale search's inner step on the native encoder and decoder gives this module's bits, at scales that
+    clip (|w / scale| beyond the table) and that do not, rows of zeros and a single-column matrix included."""
+    table = s3d8.fit_centroids(W)
+    w = torch.cat([W, torch.zeros(2, W.shape[1])])
+    for scale in (s3d8.weight_scale(w), (s3d8.weight_scale(w).float() * 0.37).to(torch.bfloat16),
+                  (s3d8.weight_scale(w).float() * 3.0).to(torch.bfloat16)):
+        ref = s3d8.quantize_with_scale(w, table, scale, use_native=False)
+        assert torch.equal(bits(s3d8.quantize_with_scale(w, table, scale)), bits(ref))
+    col = W[:, :1].contiguous()
+    assert torch.equal(bits(s3d8.quantize_with_scale(col, table, s3d8.weight_scale(col))),
+                       bits(s3d8.quantize_with_scale(col, table, s3d8.weight_scale(col), use_native=False)))
+
+
 @pytest.mark.parametrize("method", ["search", "gptq"])
 def test_s3d8_cast_is_its_packed_bytes_bit_for_bit(method):
     kw = {"hessian": H} if method == "gptq" else {}

@@ -177,12 +177,18 @@ def encode_with_scale(weight: torch.Tensor, table: torch.Tensor,
     return packed, scale
 
 
-def quantize_with_scale(weight: torch.Tensor, table: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``decode(*encode_with_scale(weight, table, scale), table, shape)`` as float32, bit for bit, computed
-    without packing (no straight-through gradient: a post-training tool)."""
+def quantize_with_scale(weight: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, *,
+                        use_native: bool | None = None) -> torch.Tensor:
+    """``decode(*encode_with_scale(weight, table, scale), table, shape)`` as float32, bit for bit (no
+    straight-through gradient: a post-training tool). On the CPU the native encoder and decoder do it when they are
+    built (bit-identical, tested; the scale search calls this for every candidate scale); ``use_native=False``: this
+    module's nearest-centroid search, without packing."""
     check_weight(weight)
     table = check_table(table)
     scale = check_scale(scale, weight.shape[0]).to(weight.device)
+    if _native_for(weight, use_native) is not None:
+        packed, scale = encode_auto(weight, table, scale)
+        return decode(packed, scale, table, weight.shape, use_native=None)
     d_out, d_in = weight.shape
     t = table.float().to(weight.device)
     n_groups, d_in_padded = packed_shape(weight.shape)
