@@ -88,6 +88,8 @@ int s3d8_encode_scaled(int v, int threads, size_t d_out, size_t d_in, const floa
 int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, size_t acc_stride,
                  const float *x_scale, const uint16_t *w_scale, float *y, size_t y_stride);
 uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n);
+int s3d8_nearest_centroids(int threads, size_t n, const float *a, size_t stride, const float c[96],
+                           int64_t *out);
 """ + header_structs("s3d8_weight", "s3d8_layer", "s3d8_decoder") + """
 size_t s3d8_decoder_work_bytes(const s3d8_decoder *d);
 int s3d8_decoder_check(const s3d8_decoder *d, size_t *where);

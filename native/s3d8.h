@@ -243,6 +243,12 @@ int s3d8_decoder_step_batch(int v, int threads, const s3d8_decoder *const *ds, s
  * returns a checksum, at the speed of the memory system; the bandwidth yardstick for the INT8 GEMV. */
 uint64_t s3d8_read_bandwidth_probe(const uint8_t *buf, size_t n);
 
+/* Fitting a centroid table (Lloyd-Max): for each of the n 3-vectors stored as columns of a (a[j * stride + i],
+ * j = 0, 1, 2), the first index q of the least float32 ((a0 - c0)^2 + (a1 - c1)^2) + (a2 - c2)^2 over the 32
+ * float centroids c[q][3]; the same arithmetic as pipeline.formats.s3d8._nearest_columns, so the same answer. */
+int s3d8_nearest_centroids(int threads, size_t n, const float *a, size_t stride, const float c[96],
+                           int64_t *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -350,6 +350,40 @@ int s3d8_dequant(int v, int threads, size_t m, size_t n, const int32_t *acc, siz
     return 0;
 }
 
+typedef struct {
+    const float *a, *c;
+    size_t stride;
+    int64_t *out;
+} nearest_job;
+
+static void nearest_range(const void *p, int part, size_t b, size_t e) {
+    const nearest_job *j = p;
+    const float *a0 = j->a, *a1 = j->a + j->stride, *a2 = j->a + 2 * j->stride, *c = j->c;
+    for (size_t i = b; i < e; i++) {
+        float best = 0.0f;
+        int64_t arg = 0;
+        for (int q = 0; q < 32; q++) {
+            float d0 = a0[i] - c[3 * q], d1 = a1[i] - c[3 * q + 1], d2 = a2[i] - c[3 * q + 2];
+            float d = d0 * d0;
+            d = d + d1 * d1;
+            d = d + d2 * d2;
+            if (q == 0 || d < best) {
+                best = d;
+                arg = q;
+            }
+        }
+        j->out[i] = arg;
+    }
+}
+
+int s3d8_nearest_centroids(int threads, size_t n, const float *a, size_t stride, const float c[96],
+                           int64_t *out) {
+    if (n > stride) return -1;
+    nearest_job j = {.a = a, .c = c, .stride = stride, .out = out};
+    parallel_for(threads, n, nearest_range, &j);
+    return 0;
+}
+
 /* The read loop of the bandwidth yardstick: whole cache lines in one vector load where the CPU has
  * AVX-512 (as the kernels read them), the kernels' software prefetch distance. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

@@ -600,6 +600,21 @@ def read_bandwidth_probe(buf: torch.Tensor) -> int:
     return int(lib.s3d8_read_bandwidth_probe(_ptr(buf, "uint8_t *"), buf.numel()))
 
 
+def nearest_centroids(a_t: torch.Tensor, centroids: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """For each column of ``a_t`` (float32 ``[3, N]``) the first index of its nearest row of
+    ``centroids`` (float32 ``[32, 3]``): int64 ``[N]``, bit for bit ``pipeline.formats.s3d8._nearest_columns``."""
+    a_t = _check(a_t, "a_t", torch.float32, (2,))
+    if a_t.shape[0] != 3:
+        raise ValueError(f"a_t: expected [3, N] vectors as columns, got {list(a_t.shape)}")
+    c = _check(centroids, "centroids", torch.float32, (2,)).contiguous()
+    if tuple(c.shape) != (32, 3):
+        raise ValueError(f"centroids: expected [32, 3], got {list(c.shape)}")
+    out = torch.empty(a_t.shape[1], dtype=torch.int64)
+    _ok(lib.s3d8_nearest_centroids(_threads(threads), a_t.shape[1], _ptr(a_t, "float *"), max(1, a_t.shape[1]),
+                                   _ptr(c, "float *"), _ptr(out, "int64_t *")), "s3d8_nearest_centroids")
+    return out
+
+
 def _check_bias(bias, d_out: int) -> torch.Tensor | None:
     """An optional Linear bias as the native modules hold it: float32 ``[d_out]``, contiguous."""
     if bias is None:

@@ -66,6 +66,35 @@ def test_quantize_with_scale_native_equals_the_reference():
                        bits(s3d8.quantize_with_scale(col, table, s3d8.weight_scale(col), use_native=False)))
 
 
+def test_native_nearest_centroids_equals_the_torch_search():
+    """``native.nearest_centroids`` (Lloyd's and GPTQ's nearest-centroid step) gives ``_nearest_columns``' indices:
+    ties to the first index, repeated centroids, zeros, far points, a strided input, no vectors."""
+    from pipeline import native
+
+    gen = torch.Generator().manual_seed(3)
+    c = torch.randint(0, 128, (32, 3), generator=gen).float()
+    c[7] = c[3]                                            # a repeated centroid: the first index wins
+    a = torch.cat([torch.rand(3, 5000, generator=gen) * 130, c[:, :].T, torch.zeros(3, 4), torch.full((3, 2), 1e6),
+                   ((c[0] + c[1]) / 2)[:, None]], 1)      # the centroids themselves; a point halfway between two
+    assert torch.equal(native.nearest_centroids(a, c), s3d8._nearest_columns(a, c))
+    wide = torch.rand(3, 9000, generator=gen) * 127
+    assert torch.equal(native.nearest_centroids(wide[:, ::3], c), s3d8._nearest_columns(wide[:, ::3], c))
+    assert native.nearest_centroids(torch.zeros(3, 0), c).shape == (0,)
+    with pytest.raises(ValueError, match="centroids: expected \\[32, 3\\]"):
+        native.nearest_centroids(a, c[:4])
+
+
+def test_cast_with_and_without_the_native_nearest_step_is_the_same(monkeypatch):
+    """The table fit, the search's refits and GPTQ give the same table, scales and bytes with the native
+    nearest-centroid step as with torch's."""
+    fast = (s3d8.fit_centroids(W), s3d8.search(W, H.diagonal()), s3d8.gptq_pack(W, H))
+    monkeypatch.setattr(s3d8, "_native_for", lambda t, use_native: None)
+    slow = (s3d8.fit_centroids(W), s3d8.search(W, H.diagonal()), s3d8.gptq_pack(W, H))
+    for x, y in zip(fast, slow):
+        for u, v in zip(x if isinstance(x, tuple) else (x,), y if isinstance(y, tuple) else (y,)):
+            assert torch.equal(u, v)
+
+
 @pytest.mark.parametrize("method", ["search", "gptq"])
 def test_s3d8_cast_is_its_packed_bytes_bit_for_bit(method):
     kw = {"hessian": H} if method == "gptq" else {}
