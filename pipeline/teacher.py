@@ -38,8 +38,8 @@ class TeacherParams:
     dir: str     # its bf16 Hugging Face directory (teacher-import's output): what stages read
     dtype: str
     name: str    # how reports call it
-    rotate: str = "none"   # none | orthogonal | hadamard: the residual stream rotated at import (pipeline.rotate)
-    rotate_seed: int = 0
+    rotate: str            # none | orthogonal | hadamard: the residual stream rotated at import (pipeline.rotate)
+    rotate_seed: int
 
 
 def local_dir(source: str) -> Path:
