@@ -86,6 +86,13 @@ def _nearest_columns(a_t: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor
     return out
 
 
+def _fast_nearest(t: torch.Tensor):
+    """:func:`_nearest_columns`, or the native step with the same arithmetic (tested bit for bit, much faster) when
+    it is built and ``t`` is a float32 CPU tensor."""
+    native = _native_for(t, None)
+    return _nearest_columns if native is None or t.dtype != torch.float32 else native.nearest_centroids
+
+
 def _normalised_groups(weight: torch.Tensor, scale: torch.Tensor, row0: int, rows: int,
                        d_in_padded: int) -> torch.Tensor:
     """Rows ``row0 .. row0+rows`` (a multiple of 3, zero-padded past d_out and d_in) divided by their
@@ -359,8 +366,7 @@ def _lloyd(a: torch.Tensor, centroids: torch.Tensor, tol: float, max_iter: int,
     a_w, a_t = a.double() * wt[:, None], a.T.contiguous()
     centroids = centroids.double().clone()
     assign = None
-    native = _native_for(a_t, None)           # the same arithmetic in C, much faster (tested bit for bit)
-    nearest = _nearest_columns if native is None or a_t.dtype != torch.float32 else native.nearest_centroids
+    nearest = _fast_nearest(a_t)
     for _ in range(max_iter):
         new = nearest(a_t, centroids.float())
         changed = a.shape[0] if assign is None else int((new != assign).sum())
@@ -510,8 +516,7 @@ def gptq_pack(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, sta
     # padding columns hold zeros, as encode() writes them
     codes[:, d_in:] = nearest_centroid(torch.zeros(1, GROUP, device=on), table)[0]
 
-    native = _native_for(w, None)
-    nearest = _nearest_columns if native is None else native.nearest_centroids      # the same bits (tested)
+    nearest = _fast_nearest(w)
 
     def quant_col(k: int, col: torch.Tensor) -> torch.Tensor:
         v = torch.zeros(n_groups * GROUP, device=on)
