@@ -79,6 +79,17 @@ def _special_id(path: Path, added: dict[str, list[int]], token: str, required: b
     return ids[0]
 
 
+# The split pattern of the tokenizers library's ByteLevel pre-tokenizer when use_regex is set.
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+LLAMA3_CHAT_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+class SqtUnsupported(SqtError):
+    """The model is well formed but the reference engine cannot run it (e.g. a chat format it does not build)."""
+
+
 def vocab_block(directory: Path, config=None) -> dict:
     """The ``vocab`` metadata of SPEC section 9 from a Hugging Face tokenizer directory."""
     path = directory / "tokenizer.json"
@@ -95,9 +106,11 @@ def vocab_block(directory: Path, config=None) -> dict:
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     regex = [s["pattern"]["Regex"] for s in steps
              if s.get("type") == "Split" and isinstance(s.get("pattern"), dict) and "Regex" in s["pattern"]]
+    # A ByteLevel step with use_regex splits by the GPT-2 pattern itself (SmolLM2, GPT-2): the same as a Split step.
+    regex += [GPT2_PATTERN for s in steps if s.get("type") == "ByteLevel" and s.get("use_regex", True)]
     if len(regex) != 1 or not any(s.get("type") == "ByteLevel" for s in steps):
-        raise SqtError(f"{path}: vocab.pre_tokenizer: expected one Split regex and a ByteLevel step, got "
-                       f"{[s.get('type') for s in steps]}")
+        raise SqtError(f"{path}: vocab.pre_tokenizer: expected one split pattern (a Split regex or a ByteLevel "
+                       f"step with use_regex) and a ByteLevel step, got {[s.get('type') for s in steps]}")
     added: dict[str, list[int]] = {}
     tokens: dict[int, str] = {}
     for token, i in model.get("vocab", {}).items():
@@ -128,6 +141,10 @@ def vocab_block(directory: Path, config=None) -> dict:
     if not isinstance(template, str):
         raise SqtError(f"{directory}: vocab.chat_template: no chat_template.jinja nor a chat_template in "
                        f"tokenizer_config.json")
+    absent = [t for t in LLAMA3_CHAT_TOKENS if t not in added]
+    if absent:
+        raise SqtUnsupported(f"{path}: vocab: the reference engine builds Llama 3 chat prompts and this tokenizer "
+                             f"has no {', '.join(absent)} (its added tokens start {list(added)[:4]})")
     eot = _special_id(path, added, "<|eot_id|>")
     gen = _json_file(directory / "generation_config.json") or {}
     eos = gen.get("eos_token_id")

@@ -17,7 +17,7 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.safetensors_io import write_tensors
 from pipeline.packed import write_packed
 from pipeline.sqt import export, standard_name
-from pipeline.sqt_blocks import vocab_block
+from pipeline.sqt_blocks import GPT2_PATTERN, SqtUnsupported, vocab_block
 from pipeline.sqt_layout import MAGIC, VERSION, SqtError, align, expected_bytes
 from pipeline.sqt_read import read_sqt
 from tests.stage_helpers import REPO, build_tiny_teacher
@@ -229,7 +229,26 @@ def test_vocab_block_needs_the_llama3_special_tokens(packed, tmp_path):
     tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] != "<|eot_id|>"]
     (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
     shutil.copy(packed["teacher"] / "chat_template.jinja", tmp_path)
-    with pytest.raises(SqtError, match=r"tokenizer\.json: vocab: special token '<\|eot_id\|>' not found"):
+    with pytest.raises(SqtUnsupported, match=r"tokenizer\.json: vocab: the reference engine builds Llama 3 chat "
+                                             r"prompts and this tokenizer has no <\|eot_id\|>"):
+        vocab_block(tmp_path)
+
+
+def test_vocab_block_reads_a_byte_level_regex_pre_tokenizer(packed, tmp_path):
+    """SmolLM2 and GPT-2 split inside the ByteLevel step (use_regex): that pattern is the engine's pre_tokenizer."""
+    tok = json.loads((packed["teacher"] / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    shutil.copy(packed["teacher"] / "chat_template.jinja", tmp_path)
+    assert vocab_block(tmp_path)["pre_tokenizer"] == GPT2_PATTERN
+    tokenizers, regex = pytest.importorskip("tokenizers"), pytest.importorskip("regex")
+    text = "It's 2026, isn't it?  Yes\n\tok  "
+    pieces = tokenizers.pre_tokenizers.ByteLevel(use_regex=True, add_prefix_space=False).pre_tokenize_str(text)
+    decode = tokenizers.decoders.ByteLevel().decode
+    assert [decode([p]) for p, _ in pieces] == regex.findall(GPT2_PATTERN, text)
+    tok["pre_tokenizer"] = {"type": "ByteLevel", "use_regex": False}       # no pattern anywhere: refused
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(SqtError, match=r"vocab\.pre_tokenizer: expected one split pattern"):
         vocab_block(tmp_path)
 
 
