@@ -2,8 +2,9 @@
 
     python -m pipeline.launch stages/qat_train.py --format s3d8    # launch.num_processes from params.yaml
 
-Writes the student's fp32 master weights to ``models/qat/<format>/``, per-step loss / KL / lr as DVC
-plots (DVCLive) in ``reports/qat/<format>/``, and a summary. A checkpoint every ``qat.checkpoint_every``
+Trains on the teacher's answers (the held-out ones never) and, with ``qat.corpus_windows``, windows of the
+prose corpus' calibration half. Writes the student's fp32 master weights to ``models/qat/<format>/``, per-step
+loss / KL / lr as DVC plots (DVCLive) in ``reports/qat/<format>/``, and a summary. A checkpoint every ``qat.checkpoint_every``
 steps (``checkpoints/qat/<format>.safetensors``) lets a killed run resume where it stopped, with the same
 result.
 """
@@ -23,10 +24,12 @@ from pipeline.direct_cast import INDEX, DirectCast
 from pipeline.fit import check_states
 from pipeline.io import write_json
 from pipeline.launch import run_stage
-from pipeline.models import load_config, token_ids
+from pipeline.models import load_config, load_processor, token_ids
 from pipeline.precision import Precision
 from pipeline.ptq import PackParams
-from pipeline.qat.data import load_examples, split_heldout
+from pipeline.chat import is_text_only, tokenizer_of
+from pipeline.eval.text import corpus_info, corpus_text, text_windows
+from pipeline.qat.data import load_examples, split_heldout, text_examples
 from pipeline.qat.train import QATParams, train
 from pipeline.shards import file_hash, fingerprint, shard_paths
 from pipeline.stage import run_log, set_threads, stage_errors
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         states = check_states(fmt, fmt.load_states(state_file), state_file)
         vocab = token_ids(load_config(teacher.dir))
         train_set, _ = split_heldout(load_examples(args.teacher_data, vocab), heldout)
+        corpus = corpus_examples(p, teacher.dir, len(train_set) + heldout)
+        train_set += corpus
         # qat.init ptq starts from stage direct-cast's cast by pack.method; the table refit weighs input channels
         # by the calibration's diagonal when there is one
         pack = params.load(PackParams, "pack", args.params)
@@ -64,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         fp = fingerprint(asdict(p) | {"checkpoint_every": None}, fmt.name, plan.rules or None, file_hash(state_file),
                          [file_hash(s) for s in shard_paths(args.teacher_data)], heldout,
                          file_hash(local_dir(teacher.dir) / "config.json"),
-                         file_hash(cast.path / INDEX) if cast is not None else None)
+                         file_hash(cast.path / INDEX) if cast is not None else None,
+                         corpus_info("rest")["sha256"] if corpus else None)
         began = time.perf_counter()
         summary = train(fmt, states, teacher.dir, teacher.dtype, train_set, p,
                         out_dir=f"models/qat/{fmt.name}", checkpoint=f"checkpoints/qat/{fmt.name}.safetensors",
@@ -73,6 +79,22 @@ def main(argv: list[str] | None = None) -> None:
         if summary:
             write_json(f"reports/qat/{fmt.name}/summary.json", summary)
             run_log(f"qat-train-{fmt.name}", seconds=round(time.perf_counter() - began, 1), steps=p.steps)
+
+
+def corpus_examples(p: QATParams, teacher_dir: str, first_index: int) -> list:
+    """``qat.corpus_windows`` windows of the prose corpus' calibration half, for a text-only teacher."""
+    if not p.corpus_windows:
+        return []
+    processor = load_processor(teacher_dir)
+    if not is_text_only(processor):
+        raise ValueError(f"parameter qat.corpus_windows={p.corpus_windows}: needs a text-only teacher (every "
+                         f"sequence of an image-text teacher's batch carries an image); set it to 0")
+    windows = text_windows(corpus_text("rest"), tokenizer_of(processor), p.corpus_windows, p.max_seq_len,
+                           "qat.corpus_windows")
+    if len(windows) < p.corpus_windows:
+        raise ValueError(f"parameter qat.corpus_windows={p.corpus_windows}: the corpus' calibration half holds "
+                         f"{len(windows)} windows of {p.max_seq_len} tokens")
+    return text_examples(windows, first_index)
 
 
 if __name__ == "__main__":

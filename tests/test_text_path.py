@@ -88,6 +88,36 @@ def test_collate_text_batches_have_no_image_inputs(tokenizer):
         collate([Example(3, "toy:0:1", (5, 6), (7,))], tokenizer, max_seq_len=16)
 
 
+def test_qat_corpus_windows_distill_every_token_after_the_first(teacher_dir, tokenizer):
+    """qat.corpus_windows: windows of the corpus' calibration half, every later token in the loss; refused for an
+    image-text teacher and beyond the corpus."""
+    import dataclasses
+
+    from pipeline.params import load
+    from pipeline.qat.data import text_examples
+    from pipeline.qat.train import QATParams
+    from stages.qat_train import corpus_examples
+
+    p = dataclasses.replace(load(QATParams, "qat", REPO / "params.yaml"), corpus_windows=3, max_seq_len=32)
+    examples = corpus_examples(p, str(teacher_dir), 100)
+    assert [e.index for e in examples] == [100, 101, 102]
+    bos = tokenizer("")["input_ids"]
+    rest = tokenizer(text.corpus_text("rest"), add_special_tokens=False)["input_ids"]
+    assert [list(e.prompt_ids + e.response_ids) for e in examples] == [
+        bos + rest[i * (32 - len(bos)):(i + 1) * (32 - len(bos))] for i in range(3)]
+    batch = collate(examples, tokenizer, max_seq_len=32)
+    assert batch["loss_mask"].tolist() == [[1] * 31 + [0]] * 3
+    assert corpus_examples(dataclasses.replace(p, corpus_windows=0), str(teacher_dir), 0) == []
+    with pytest.raises(ValueError, match=r"qat.corpus_windows=100000: the corpus' calibration half holds \d+ windows"):
+        corpus_examples(dataclasses.replace(p, corpus_windows=100_000), str(teacher_dir), 0)
+    with pytest.raises(ValueError, match="text window 1: fewer than 2 tokens"):
+        text_examples([[1, 2], [3]], 0)
+    toy = REPO / "data" / "toy-teacher"
+    if toy.is_dir():
+        with pytest.raises(ValueError, match="qat.corpus_windows=3: needs a text-only teacher"):
+            corpus_examples(p, str(toy), 0)
+
+
 def test_fsdp2_units_of_a_llama_are_its_decoder_layers(teacher):
     from pipeline.qat.distributed import sharding_units
 

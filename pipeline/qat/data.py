@@ -1,5 +1,5 @@
-"""Training sequences for distillation: the teacher's prompts and answers, batched for Mllama or a text-only
-Llama (no image inputs).
+"""Training sequences for distillation: the teacher's prompts and answers (and, for a text-only Llama, windows of
+plain text), batched for Mllama or a text-only Llama (no image inputs).
 
 A sequence is the prompt's token ids followed by the teacher's response ids (its end-of-turn token
 included), cut to ``max_seq_len``; the loss mask marks the positions whose *next* token is a response
@@ -82,6 +82,15 @@ def split_heldout(examples: list[Example], heldout: int) -> tuple[list[Example],
         raise ValueError(f"parameter heldout_prompts={heldout}: must be in [0, {len(examples)}) "
                          f"for {len(examples)} teacher answers")
     return (examples[:-heldout], examples[-heldout:]) if heldout else (examples, [])
+
+
+def text_examples(windows: list[list[int]], first_index: int) -> list[Example]:
+    """Windows of plain text as training sequences: the first token is the prompt, every later token is
+    distilled (the teacher's distribution at each position). Indices follow ``first_index``."""
+    short = [i for i, w in enumerate(windows) if len(w) < 2]
+    if short:
+        raise ValueError(f"text window {short[0]}: fewer than 2 tokens")
+    return [Example(first_index + i, None, (w[0],), tuple(w[1:])) for i, w in enumerate(windows)]
 
 
 def batch_indices(n_examples: int, batch_size: int, step: int, seed: int) -> list[int]:

@@ -57,6 +57,8 @@ class QATParams:
     refit_table: bool                            # S3D8: refit each centroid table on the trained weights at the end
     teacher_logits: Literal["cache", "forward"]  # cache: the teacher's response logits once per
     #   training sequence, before the first step (full bf16 rows, exactly what it outputs); forward: per step
+    corpus_windows: int = non_negative()         # windows of max_seq_len tokens of the prose corpus' calibration
+    #   half (never the held-out half perplexity reads) trained on beside the answers, every token distilled
 
 
 Start = Callable[[str, torch.Tensor], tuple]
