@@ -354,3 +354,28 @@ def test_only_s3d8_packed_models_export(packed, tmp_path):
                  metadata={"source_model": str(packed["teacher"])})
     with pytest.raises(SqtError, match=r"int\.safetensors: metadata 'format' is 'int'"):
         export(out, tmp_path / "x.sqt")
+
+
+def test_export_stage_writes_the_files_or_says_why_not(packed, tmp_path, monkeypatch):
+    """Stage export-sqt: each student's .sqt (read back); a model the engine cannot run leaves NOT-EXPORTED.txt with
+    the reason, and no .sqt."""
+    import stages.export_sqt as stage
+    from pipeline.sqt_blocks import SqtUnsupported
+
+    root = tmp_path / "packed"
+    for method in ("direct-cast", "qat"):
+        d = root / method
+        d.mkdir(parents=True)
+        shutil.copy(packed["file"], d / "model.safetensors")
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                     "processor_config.json", "generation_config.json"):
+            shutil.copy(packed["teacher"] / name, d / name)
+    stage.main(["--packed", str(root), "--out", str(tmp_path / "sqt")])
+    assert sorted(p.name for p in (tmp_path / "sqt").iterdir()) == ["s3d8-direct-cast.sqt", "s3d8-qat.sqt"]
+
+    def refuse(model, target, **_):
+        raise SqtUnsupported(f"{model}: vocab: no Llama 3 chat tokens")
+    monkeypatch.setattr(stage, "export", refuse)
+    stage.main(["--packed", str(root), "--out", str(tmp_path / "sqt")])
+    assert [p.name for p in (tmp_path / "sqt").iterdir()] == ["NOT-EXPORTED.txt"]
+    assert "no Llama 3 chat tokens" in (tmp_path / "sqt" / "NOT-EXPORTED.txt").read_text()
