@@ -190,6 +190,35 @@ def llama_cpp_server_status() -> str | None:
     return None
 
 
+NO_EXTRA_BUFTS = "--llama-cpp-server-without-extra-bufts"
+
+
+def llama_cpp_server_argv(gguf: Path, threads: int) -> tuple[list[str], str]:
+    """``(argv, note)`` of llama.cpp's server on ``gguf``. Its extra weight buffer types (the AMX and CPU repack
+    layouts) stay on unless a prompt pass with them dies in a child (on an AMX Xeon it did: SIGSEGV in
+    ``llama_decode``); then the server runs without them (``--no-repack`` in llama.cpp's own tools), and the note
+    says so."""
+    from pipeline.bench.real_model import run_child
+
+    argv = ["--model", str(gguf), "--n_threads", str(threads), "--n_ctx", "2048", "--host", "127.0.0.1"]
+    probe = run_child({"task": "probe", "path": str(gguf), "threads": threads}, timeout=600)
+    if "error" not in probe:
+        return [sys.executable, "-m", "llama_cpp.server", *argv], ""
+    return ([sys.executable, "-m", "pipeline.bench.serve", NO_EXTRA_BUFTS, *argv],
+            f" without its extra buffer types (AMX / repack): with them a prompt pass failed ({probe['error']})")
+
+
+def _llama_cpp_server_without_extra_bufts(argv: list[str]) -> None:
+    """``python -m llama_cpp.server ARGV`` with the model loaded without llama.cpp's extra buffer types."""
+    import runpy
+
+    from pipeline.bench.llama_cpp_files import llama_cpp_extra_bufts
+
+    sys.argv = ["llama_cpp.server", *argv]
+    with llama_cpp_extra_bufts(False):
+        runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+
+
 def measure(name: str, argv: list[str], ours: bool, args, texts: list[str]) -> dict:
     """Every client count against one server; the answers of one question compared across loads (a mix-up
     under load shows as a different greedy answer)."""
@@ -280,10 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(name, [sys.executable, "-m", "pipeline.serve", str(path), "--threads", str(args.threads),
                                    "--max-batch", str(max(args.clients)), "--model-name", name], True, args, texts))
         if name in gguf:
-            rows.append(measure(name, [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf[name]),
-                                       "--n_threads", str(args.threads), "--n_ctx", "2048", "--host", "127.0.0.1"],
-                                False, args, texts))
-            notes.append(f"{name}: llama.cpp serves {gguf[name].name}")
+            server, note = llama_cpp_server_argv(gguf[name], args.threads)
+            rows.append(measure(name, server, False, args, texts))
+            notes.append(f"{name}: llama.cpp serves {gguf[name].name}{note}")
     for r in rows:
         notes.append(f"{r['model']} on {r['server']}: {r['questions_answered_differently']} of {r['questions']} "
                      f"questions got different greedy answers across requests and loads (0: none lost or mixed up)")
@@ -296,4 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if sys.argv[1:2] == [NO_EXTRA_BUFTS]:
+        _llama_cpp_server_without_extra_bufts(sys.argv[2:])
+    else:
+        raise SystemExit(main())
