@@ -270,3 +270,19 @@ def test_queue_bound_disconnect_and_sigterm(text_llama):
         assert server.stop()                       # SIGTERM: the request in flight finishes first
     pending.join()
     assert results[-1][0] == 200 and results[-1][1]["usage"]["completion_tokens"] >= 1
+
+
+def test_llama_cpp_server_runs_without_extra_buffer_types_where_they_crash(monkeypatch, tmp_path):
+    """bench.serve probes the GGUF first: where a prompt pass with llama.cpp's extra buffer types dies, its server
+    runs through the wrapper that loads the model without them, and the note says why."""
+    from pipeline.bench import real_model, serve
+
+    gguf = tmp_path / "m.gguf"
+    monkeypatch.setattr(real_model, "run_child", lambda spec, timeout: {"ok": True})
+    argv, note = serve.llama_cpp_server_argv(gguf, 2)
+    assert argv[1:3] == ["-m", "llama_cpp.server"] and argv[argv.index("--model") + 1] == str(gguf) and note == ""
+    assert argv[argv.index("--n_threads") + 1] == "2"
+    monkeypatch.setattr(real_model, "run_child", lambda spec, timeout: {"error": "killed by SIGSEGV"})
+    argv, note = serve.llama_cpp_server_argv(gguf, 2)
+    assert argv[1:4] == ["-m", "pipeline.bench.serve", serve.NO_EXTRA_BUFTS] and "--model" in argv
+    assert "without its extra buffer types" in note and "killed by SIGSEGV" in note
