@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.safetensors_io import TORCH_DTYPES
+from pipeline.safetensors_io import TORCH_DTYPES, PrivateReader
 
 
 
@@ -45,9 +45,12 @@ class CheckpointReader:
 
     Anything that is not a readable safetensors file (a missing path, a directory without
     ``model.safetensors``, a FIFO or device, a truncated file, a corrupt header or index) is refused
-    when the reader is made, with one ``FileNotFoundError`` / ``ValueError`` naming the file."""
+    when the reader is made, with one ``FileNotFoundError`` / ``ValueError`` naming the file.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    ``private=True``: each tensor read into private memory (:class:`~pipeline.safetensors_io.PrivateReader`) rather
+    than mapped from the file: what a model that keeps its weights for its lifetime (the runtime's) wants."""
+
+    def __init__(self, path: str | os.PathLike, private: bool = False) -> None:
         path = Path(path)
         try:
             is_dir = stat.S_ISDIR(os.stat(path).st_mode)
@@ -67,6 +70,7 @@ class CheckpointReader:
                 raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
         self.path = path
         self._handles: dict[Path, object] = {}
+        self._private: dict[Path, PrivateReader] | None = {} if private else None
         if files is None:
             handle = self._open(check_regular_file(path, "checkpoint"))
             self._files = {name: path for name in handle.keys()}
@@ -117,6 +121,10 @@ class CheckpointReader:
         # process's memory with it (a cached handle would keep every page ever read resident: the whole checkpoint)
         file = self._files[name]
         self._open(file)                   # a readable file, or the one-line error
+        if self._private is not None:
+            if file not in self._private:
+                self._private[file] = PrivateReader(file)
+            return self._private[file].get(name)
         try:
             with safe_open(str(file), framework="pt") as f:
                 return f.get_tensor(name)

@@ -338,7 +338,7 @@ def _plan_plain(path, reader: CheckpointReader, keys: list[str], to_module: dict
 
 def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
                       dtype: torch.dtype = torch.float32, kernel: str = "torch",
-                      decode: str = "eager") -> nn.Module:
+                      decode: str = "eager", private: bool = False) -> nn.Module:
     """Build the model from its config (stored in the file's metadata unless given), swap in a packed
     module wherever the file holds an encoded weight, and load every other tensor.
 
@@ -355,10 +355,11 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     ``decode="eager"`` (weights decoded once at load, in ``dtype``) or ``decode="lazy"`` (modules keep the
     packed tensors and decode in each forward, embeddings only the rows looked up, a Linear above 64M
     weights a block of rows at a time: same numbers, memory about the file's size). ``kernel="native"`` (S3D8, INT8): the native kernels on the packed bytes for
-    linear layers; embeddings follow ``decode``."""
+    linear layers; embeddings follow ``decode``. ``private``: the file's tensors read into private memory, not
+    mapped (:class:`~pipeline.checkpoint.CheckpointReader`), for a model kept for a process's lifetime."""
     if decode not in DECODES:
         raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODES)}")
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path, private=private)
     meta = reader.metadata()
     fmt = packed_format(path, meta)
     keys = set(reader.keys())

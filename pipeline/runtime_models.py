@@ -5,9 +5,9 @@ Llama decoder (:class:`LeanLlama`), Hugging Face's Llama and the packed S3D8 Mll
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import math
-import mmap
 from pathlib import Path
 
 import torch
@@ -16,7 +16,6 @@ from torch import nn
 
 from pipeline import decode_step, formats, safetensors_io
 from pipeline.precision import file_formats
-from pipeline.safetensors_io import TORCH_DTYPES
 
 
 class RuntimeInputError(ValueError):
@@ -37,42 +36,15 @@ def read_header(path: str | Path) -> tuple[dict, dict[str, str], int]:
                                 else str(e)) from None
 
 
-def private_memory(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of private anonymous memory as a uint8 tensor, transparent huge pages advised where the OS has
-    them (Linux ``MADV_HUGEPAGE``): a stream over 4 KB pages misses the TLB every 64 cache lines, and on 2 MB
-    pages the 1B's one-token decode ran ~20 % faster (the bandwidth probe reads the same kind of memory)."""
-    if not hasattr(mmap, "MAP_PRIVATE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
-    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):   # no such advice on this OS, or transparent huge pages disabled
-        pass
-    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
-
-
 def read_tensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """Every tensor read into one block of :func:`private_memory` with plain reads (no mmap of the file: resident
-    memory is the file once), each at a 64-byte aligned offset."""
-    header, meta, base = read_header(path)
-    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    offsets, end = [], 0
-    for _, e in entries:
-        offsets.append(end)
-        end += -(-(e["data_offsets"][1] - e["data_offsets"][0]) // 64) * 64
-    memory, out = private_memory(end), {}
-    with open(path, "rb", buffering=0) as f:
-        for (name, e), off in zip(entries, offsets):
-            a, b = e["data_offsets"]
-            dtype = TORCH_DTYPES[e["dtype"]]
-            if math.prod(e["shape"]) * dtype.itemsize != b - a:
-                raise RuntimeInputError(f"{path}: tensor {name!r} holds {b - a} bytes, not its shape's")
-            f.seek(base + a)
-            got = f.readinto(memory[off:off + b - a].numpy()) if b > a else 0
-            if got != b - a:
-                raise RuntimeInputError(f"{path}: tensor {name!r} is truncated")
-            out[name] = memory[off:off + b - a].view(dtype).reshape(e["shape"])
-    return meta, out
+    """``(metadata, every tensor)`` of a packed file, read into private memory
+    (:class:`~pipeline.safetensors_io.PrivateReader`); RuntimeInputError if the file is not one."""
+    read_header(path)
+    try:
+        reader = safetensors_io.PrivateReader(path)
+        return reader.metadata, {name: reader.get(name) for name in reader.entries}
+    except (OSError, ValueError) as e:
+        raise RuntimeInputError(str(e)) from None
 
 
 def model_kind(path: str | Path) -> tuple[str, str]:
@@ -313,37 +285,50 @@ def hf_mllama(path: str | Path):
     from pipeline.packed import load_packed_model
     from pipeline.packed_modules import LazyPackedEmbedding
 
-    model = load_packed_model(path, kernel="native", decode="lazy")
+    _return_large_frees()
+    model = load_packed_model(path, kernel="native", decode="lazy", private=True)
     for name, module in list(model.named_modules()):
         if isinstance(module, LazyPackedEmbedding):
-            t = module.packed_tensors
-            new = module.format.row_embedding(t, module.shape, module.padding_idx, module.weight_dtype)
             parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+            setattr(model.get_submodule(parent) if parent else model, leaf,
+                    module.format.row_embedding(module.packed_tensors, module.shape, module.padding_idx,
+                                                module.weight_dtype))
+    vision = model.model.vision_model
+    vision.transformer = VisionEncoder(vision.transformer.layers, keep=vision.intermediate_layers_indices)
+    vision.global_transformer = VisionEncoder(vision.global_transformer.layers, keep=())
     model.weight_bytes = Path(path).stat().st_size
-    into_private_memory(model)
     return model
 
 
-def into_private_memory(model: nn.Module) -> int:
-    """Every buffer of the model (the native modules' packed bytes, scales, tables; the row embeddings') moved
-    into one block of :func:`private_memory` (huge pages advised), each at a 64-byte aligned offset, as
-    :func:`read_tensors` places a lean Llama's: the packed file's tensors otherwise stay mapped from the page cache
-    in 4 KB pages. One buffer is copied at a time and its mapped pages dropped with it. Returns the bytes moved."""
-    entries = [(m, name, t) for m in model.modules() for name, t in m._buffers.items()
-               if t is not None and not t.is_meta and t.numel() * t.element_size() >= 4096]
-    key = lambda t: (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))    # noqa: E731
-    unique = {key(t): t for _, _, t in entries}                     # a buffer two modules share is moved once
-    sizes = {k: -(-t.numel() * t.element_size() // 64) * 64 for k, t in unique.items()}
-    memory, off, moved = private_memory(sum(sizes.values())), 0, {}
-    for m, name, t in entries:
-        k = key(t)
-        if k not in moved:
-            n = t.numel() * t.element_size()
-            moved[k] = memory[off:off + n].view(t.dtype).view(t.shape).copy_(t)
-            off += sizes[k]
-        m._buffers[name] = moved[k]
-    return off
+class VisionEncoder(nn.Module):
+    """Mllama's vision encoder (the same layers, the same numbers) keeping only the hidden states its model reads:
+    transformers' keeps every layer's output (``hidden_states``), 40 of 6,432 x 1,280 floats for the 11B's four
+    tiles, where the vision model reads five; the others are None."""
+
+    def __init__(self, layers: nn.ModuleList, keep) -> None:
+        super().__init__()
+        self.layers = layers
+        self.keep = frozenset(keep)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        states = []
+        for i, layer in enumerate(self.layers):
+            hidden_states = layer(hidden_states=hidden_states, attention_mask=attention_mask)
+            states.append(hidden_states if i in self.keep else None)
+        return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=tuple(states))
+
+
+def _return_large_frees() -> None:
+    """glibc's malloc raises its mmap threshold (up to 32 MB) each time a large block is freed, and keeps the
+    blocks freed below it in its heap: loading a large Mllama, whose validation decodes every weight in blocks of
+    a few MB, and encoding an image, whose activations are tens of MB each, leave gigabytes of freed memory
+    resident. The threshold fixed at 1 MB for this process makes a large block go back to the OS when freed."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)           # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):                     # not glibc: nothing to tune
+        pass
 
 
 def mllama_step(model, cache, positions: int, cross_attention_mask=None,

@@ -5,6 +5,7 @@ question on it."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -87,3 +88,60 @@ def test_generate_bench_measures_an_image_and_a_question(tmp_path):
     assert set(rows) == {"s3d8", "int8"} and all("error" not in r for r in rows.values())
     assert rows["s3d8"]["weight_bytes"] < rows["int8"]["weight_bytes"] and rows["s3d8"]["image_tokens"] == 68
     assert "One image and a question" in (tmp_path / "bench_generate.md").read_text()
+
+
+def test_the_runtime_reads_the_file_into_private_memory_once(files):
+    """hf_mllama's tensors are the file's bytes read into one private block: equal to the mapped load's, 64-byte
+    aligned, and no page of the packed file stays mapped (a mapped file's pages would count beside the copy)."""
+    from pipeline.packed import load_packed_model
+    from pipeline.runtime_models import hf_mllama
+
+    path = files["s3d8"]
+    mapped = dict(load_packed_model(path, kernel="native", decode="lazy").state_dict())
+    private = load_packed_model(path, kernel="native", decode="lazy", private=True).state_dict()
+    assert mapped.keys() == private.keys()
+    assert all(torch.equal(mapped[k], private[k]) for k in mapped)
+    del mapped, private
+    gc.collect()
+    model = hf_mllama(path)
+    big = [b for m in model.modules() for b in m._buffers.values() if b is not None and b.nbytes >= 4096]
+    assert all(b.data_ptr() % 64 == 0 for b in big)
+    if Path("/proc/self/maps").exists():
+        assert str(Path(path).resolve()) not in Path("/proc/self/maps").read_text()
+
+
+def test_the_runtimes_vision_encoder_keeps_only_what_is_read_and_changes_no_number(files):
+    from pipeline import runtime
+    from pipeline.bench.vision import inputs
+    from pipeline.packed import load_packed_model
+    from pipeline.runtime_models import VisionEncoder, hf_mllama, read_header
+
+    path = files["s3d8"]
+    lean, plain = hf_mllama(path), load_packed_model(path, kernel="native", decode="lazy")
+    vision = lean.model.vision_model
+    assert isinstance(vision.transformer, VisionEncoder) and isinstance(vision.global_transformer, VisionEncoder)
+    batch = inputs(runtime._processor_for(path, read_header(path)[1], None), (112, 112))
+    args = {k: batch[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")}
+    with torch.inference_mode():
+        states = vision.transformer(torch.randn(1, 72, vision.hidden_size)).hidden_states
+        assert [i for i, s in enumerate(states) if s is not None] == sorted(set(vision.intermediate_layers_indices))
+        assert torch.equal(vision(**args).last_hidden_state, plain.model.vision_model(**args).last_hidden_state)
+
+
+def test_a_private_read_names_the_file_and_tensor_it_cannot_read(tmp_path):
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.safetensors_io import write_tensors
+
+    path = tmp_path / "t.safetensors"
+    write_tensors(path, {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(5, dtype=torch.int8)})
+    reader = CheckpointReader(path, private=True)
+    assert torch.equal(reader.get("a"), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert reader.get("b").data_ptr() % 64 == 0
+    with pytest.raises(KeyError, match="no tensor 'c'"):
+        reader.get("c")
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    bad = raw[:8 + n].replace(b'"I8"', b'"F32"') + raw[8 + n:]      # 5 bytes where F32 [5] needs 20
+    path.write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match=r"t\.safetensors"):
+        CheckpointReader(path, private=True).get("b")

@@ -265,12 +265,12 @@ def measure(spec: dict, timeout: int = 1800) -> dict:
 def read_bandwidth(threads: int = 1, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s of ``threads`` threads each reading its own ``nbytes / threads`` at once (best of
     ``repeats`` passes; the probe releases the GIL), from the kind of memory the runtime reads its weights from
-    (``runtime_models.private_memory``: huge pages advised)."""
+    (``safetensors_io.private_memory``: huge pages advised)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline import native, runtime_models
+    from pipeline import native, safetensors_io
 
-    bufs = [runtime_models.private_memory(nbytes // threads).fill_(1) for _ in range(threads)]
+    bufs = [safetensors_io.private_memory(nbytes // threads).fill_(1) for _ in range(threads)]
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
