@@ -432,3 +432,46 @@ def test_cli_names_a_teacher_that_was_not_imported_from_gguf(tmp_path, capsys):
     assert rm.main(["--teacher", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "teacher_import.json: missing" in err
+
+
+def test_sensitivity_puts_back_one_group_at_a_time_and_restores_the_student(tmp_path):
+    """``pipeline.bench.sensitivity``: every group of an untied tiny Llama's S3D8 cast put back to the teacher's
+    modules in turn, each row the score of that group alone put back, the student left as it was; a tied model
+    is refused."""
+    from pipeline import formats
+    from pipeline.bench import sensitivity
+    from pipeline.checkpoint import CheckpointReader
+    from pipeline.eval.text import TextReference, hf_logits_fn
+    from pipeline.fit import fit_model
+    from pipeline.packed import load_packed_model, write_packed
+    from pipeline.qat.data import Example
+    from tests.test_teacher_import import tiny_llama
+
+    model = tiny_llama(tied=False)
+    model.save_pretrained(tmp_path / "teacher")
+    fmt = formats.get("s3d8")
+    states, _ = fit_model(fmt, str(tmp_path / "teacher"))
+    path = tmp_path / "model.safetensors"
+    write_packed(path, CheckpointReader(tmp_path / "teacher"), fmt, states, metadata={"config": model.config.to_dict()})
+    student = load_packed_model(path, kernel="torch").eval()
+    plan = sensitivity.groups(student)
+    assert list(plan)[:2] == ["layer 0", "layer 1"] and all(len(plan[f"layer {i}"]) == 7 for i in range(2))
+    assert all(len(plan[k]) == 2 for k in sensitivity.KINDS) and plan["lm_head"] == ["lm_head"]
+    examples = [Example(0, None, (1, 5, 9, 12), (20, 31, 7, 2, 8, 3))]
+    ref = TextReference.build(model, None, examples, [[1, 4, 22, 19, 30, 6]])
+    before = [p.clone() for p in student.state_dict().values()]
+    base, rows = sensitivity.put_back(student, model, ref)
+    assert [r["group"] for r in rows] == list(plan) and base["kl"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, student.state_dict().values()))
+    assert ref.score(hf_logits_fn(student))["kl"] == base["kl"]
+    for g, names in plan.items():                      # put back alone, the same numbers as its row
+        if g == "layer 1":
+            old = {n: sensitivity.swap(student, n, model.get_submodule(n)) for n in names}
+            assert ref.score(hf_logits_fn(student))["kl"] == rows[1]["kl"] < base["kl"]
+            for n, m in old.items():
+                sensitivity.swap(student, n, m)
+    student.config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tied"):
+        sensitivity.put_back(student, model, ref)
+    md = sensitivity.report_md({"packed": str(path), "teacher_perplexity": 9.0, "base": base, "groups": rows}, "cmd")
+    assert md.count("\n| ") == len(rows) + 2             # the header, its rule, a row per group
