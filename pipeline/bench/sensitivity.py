@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pipeline.io import write_json, write_text
+from pipeline.recipe import replace
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -41,15 +42,6 @@ def groups(student: nn.Module) -> dict[str, list[str]]:
     out["lm_head"] = ["lm_head"]
     out["embed_tokens"] = [n for n, _ in student.named_modules() if n.endswith("embed_tokens")]
     return out
-
-
-def swap(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
-    """Put ``module`` at ``name``; returns the one it replaced."""
-    parent, _, leaf = name.rpartition(".")
-    holder = model.get_submodule(parent) if parent else model
-    old = getattr(holder, leaf)
-    setattr(holder, leaf, module)
-    return old
 
 
 def measure(packed: Path, teacher_dir: Path, teacher_data: str, heldout: int, max_seq_len: int, ppl_tokens: int,
@@ -87,10 +79,12 @@ def put_back(student: nn.Module, teacher: nn.Module, reference, tick=lambda: Non
     base, rows = score(), []
     tick()
     for group, names in groups(student).items():
-        old = {n: swap(student, n, copy.deepcopy(teacher.get_submodule(n))) for n in names}
+        old = {n: student.get_submodule(n) for n in names}
+        for n in names:
+            replace(student, n, copy.deepcopy(teacher.get_submodule(n)))
         s = score()
         for n, m in old.items():
-            swap(student, n, m)
+            replace(student, n, m)
         rows.append({"group": group, "modules": len(names),
                      "params": sum(teacher.get_submodule(n).weight.numel() for n in names), "kl": s["kl"],
                      "perplexity": s["perplexity"], "kl_recovered": base["kl"] - s["kl"],
