@@ -19,33 +19,27 @@ import torch
 from pipeline import native
 from pipeline._s3d8_native import ffi, lib
 
-KINDS = {"s3d8": 0, "int8": 1, "bf16": 2}
 ERRORS = {-1: "no usable kernel variant", -2: "a weight with more inputs than the int32 accumulators hold",
           -3: "an S3D8 centroid table with a negative value", -4: "inconsistent sizes or a position beyond the cache",
           -5: "token out of range"}
 
 
 def _weight(w, module, what: str) -> list:
-    """Fill the ``s3d8_weight`` ``w`` from a native Linear or row embedding (``what`` names it in errors); the
-    tensors it points to."""
-    b = module._buffers
-    for name, t in b.items():
+    """Fill the ``s3d8_weight`` ``w`` from a native Linear or row embedding (its ``decoder_weight``; ``what`` names
+    it in errors); the tensors it points to."""
+    name = type(module).__name__
+    if not hasattr(module, "decoder_weight"):
+        raise ValueError(f"C decoder: {what} ({name}) is not a native module (pipeline.native)")
+    for key, t in module._buffers.items():
         if t is not None:
-            native.check_readable(t, f"C decoder: {what} ({type(module).__name__}) buffer {name!r}")
-    if "packed" in b:
-        n, k = module.shape if hasattr(module, "shape") else (module.num_embeddings, module.embedding_dim)
-        w.kind, tensors = KINDS["s3d8"], [b["packed"], b["table"], b["scale"]]
-        w.table, w.scale = ffi.cast("int8_t *", b["table"].data_ptr()), ffi.cast("uint16_t *", b["scale"].data_ptr())
-    elif b["weight"].dtype == torch.int8:
-        (n, k), tensors = b["weight"].shape, [b["weight"], b["scale"]]
-        w.kind, w.scale = KINDS["int8"], ffi.cast("uint16_t *", b["scale"].data_ptr())
-    else:
-        (n, k), tensors = b["weight"].shape, [b["weight"]]
-        w.kind = KINDS["bf16"]
-    for t in tensors:
-        if not t.is_contiguous():
-            raise ValueError(f"C decoder: {what} ({type(module).__name__}) needs contiguous tensors")
-    w.n, w.k, w.data = n, k, ffi.cast("void *", tensors[0].data_ptr())
+            native.check_readable(t, f"C decoder: {what} ({name}) buffer {key!r}")
+    kind, (n, k), data, table, scale = module.decoder_weight()
+    tensors = [t for t in (data, table, scale) if t is not None]
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError(f"C decoder: {what} ({name}) needs contiguous tensors")
+    w.kind, w.n, w.k, w.data = kind, n, k, ffi.cast("void *", data.data_ptr())
+    w.table = ffi.NULL if table is None else ffi.cast("int8_t *", table.data_ptr())
+    w.scale = ffi.NULL if scale is None else ffi.cast("uint16_t *", scale.data_ptr())
     return tensors
 
 
@@ -105,8 +99,7 @@ class DecodeStep:
     def step(self, token: int, pos: int) -> torch.Tensor:
         """The logits (float32 ``[vocab]``, a buffer the next call overwrites) of ``token`` at position ``pos``;
         self-attention layers write their K/V at ``pos``."""
-        rc = lib.s3d8_decoder_step(native._variant_index(None), native._threads(None), self.d, token, pos,
-                                   self._logits)
+        rc = lib.s3d8_decoder_step(*native.call_settings(), self.d, token, pos, self._logits)
         if rc:
             raise ValueError(f"C decoder step (token {token}, position {pos}): {ERRORS.get(rc, rc)}")
         return self.logits
@@ -129,7 +122,7 @@ def step_batch(steps: list[DecodeStep], tokens: list[int], positions: list[int])
         work = _BATCH_WORK["work"] = torch.empty(need, dtype=torch.uint8)
     ds = ffi.new("s3d8_decoder *[]", [s.d for s in steps])
     logits = ffi.new("float *[]", [s._logits for s in steps])
-    rc = lib.s3d8_decoder_step_batch(native._variant_index(None), native._threads(None), ds, n,
+    rc = lib.s3d8_decoder_step_batch(*native.call_settings(), ds, n,
                                      ffi.new("int64_t[]", list(tokens)), ffi.new("size_t[]", list(positions)), logits,
                                      ffi.cast("void *", (work.data_ptr() + 63) // 64 * 64))
     if rc:

@@ -5,6 +5,8 @@ it imports no transformers, so that importing it never runs the registration (``
 
 from __future__ import annotations
 
+from pipeline import formats
+
 GUARD_PREFIX = "s3d8-pipeline-"
 BASE_MODEL_TYPES = ("mllama", "llama")
 """Base ``model_type``s a packed directory may have (each gets a registered guard type)."""
@@ -32,8 +34,8 @@ def guard_model_type(base: str) -> str:
 
 
 def quant_method(fmt: str) -> str:
-    """``quant_method`` of a format: ``s3d8`` for S3D8, ``s3d8-pipeline-<name>`` for the other packed formats."""
-    return "s3d8" if fmt == "s3d8" else f"s3d8-pipeline-{fmt}"
+    """``quant_method`` of the format called ``fmt`` (S3D8: ``s3d8``; the others ``s3d8-pipeline-<name>``)."""
+    return formats.get(fmt).quant_method
 
 
 def saved_config(fmt: str, layout: str, version: str, bits_per_weight: float | None = None,

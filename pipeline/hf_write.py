@@ -277,7 +277,7 @@ def model_card(fmt: str, method: str, summary: dict, *, base_model: str, teacher
               "computes in the `dtype` passed to `from_pretrained` (default: the config's). "
               f"Without `import pipeline`, transformers stops with an error about the model type `{model_type}` "
               "(it cannot decode these weights). `model.safetensors` is the SPEC section 7 packed file"
-              + (" (the Llama-Mobile reference loader reads it)." if fmt == "s3d8" else "."), ""]
+              + (f" ({f.reader} reads it)." if f.reader else "."), ""]
     lines += ["## Evaluation", ""]
     key = f"{fmt}-{method}"
     models = (scores or {}).get("models", {})

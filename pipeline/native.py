@@ -163,6 +163,12 @@ def _variant_index(name: str | None) -> int:
     return index
 
 
+def call_settings() -> tuple[int, int]:
+    """``(variant index, threads)`` the kernels run with now (``S3D8_VARIANT``, torch's thread count): what a caller
+    of the library's other entry points (the C decoder, :mod:`pipeline.decode_step`) passes to them."""
+    return _variant_index(None), _threads(None)
+
+
 def variant() -> str:
     """The variant used when none is given: ``S3D8_VARIANT`` if set, else the fastest available."""
     return ffi.string(lib.s3d8_variant_get(_variant_index(None)).name).decode()
@@ -657,8 +663,18 @@ class S3D8Linear(torch.nn.Module):
             y += b["bias"]
         return y.to(x.dtype)
 
+    def decoder_weight(self) -> tuple[int, tuple[int, int], torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(kind, (n, k), data, table, scale)``: this weight as the C decoder's ``s3d8_weight`` reads it."""
+        b = self._buffers
+        return W_S3D8, self.shape, b["packed"], b["table"], b["scale"]
+
     def extra_repr(self) -> str:
         return f"d_in={self.shape[1]}, d_out={self.shape[0]}, variant={variant()}"
+
+
+W_S3D8, W_QSI8, W_BF16 = 0, 1, 2
+"""``s3d8_weight.kind`` of the C decoder (``native/s3d8.h``): what each native module below describes itself as
+(``decoder_weight``)."""
 
 
 def _hot(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None, *others: torch.Tensor | None) -> bool:
@@ -701,6 +717,11 @@ class Int8Linear(torch.nn.Module):
         """The tensors of the ``int8`` format's packed layout (what a packed file stores)."""
         return {"int8": self.weight, "scale": self.scale}
 
+    def decoder_weight(self):
+        """See :meth:`S3D8Linear.decoder_weight`."""
+        b = self._buffers
+        return W_QSI8, (self.out_features, self.in_features), b["weight"], None, b["scale"]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if _plain_tokens(x, self.in_features) and _hot(b["weight"], torch.int8, b["scale"], b["bias"]):
@@ -722,6 +743,10 @@ class Bf16Linear(torch.nn.Module):
         weight = _check(weight, "weight", torch.bfloat16, (2,))
         self.register_buffer("weight", weight)
         self.out_features, self.in_features = _check_shape(weight.shape, "weight")
+
+    def decoder_weight(self):
+        """See :meth:`S3D8Linear.decoder_weight`."""
+        return W_BF16, (self.out_features, self.in_features), self._buffers["weight"], None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self._buffers["weight"]
@@ -746,6 +771,11 @@ class S3D8RowEmbedding(torch.nn.Module):
         self.register_buffer("table", table)
         self.padding_idx, self.dtype = padding_idx, dtype
 
+    def decoder_weight(self):
+        """See :meth:`S3D8Linear.decoder_weight`."""
+        b = self._buffers
+        return W_S3D8, (self.num_embeddings, self.embedding_dim), b["packed"], b["table"], b["scale"]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         for name, t in self._buffers.items():      # gathered from by torch, then decoded by C: both would crash
             check_readable(t, f"S3D8RowEmbedding buffer {name!r}")
@@ -759,6 +789,23 @@ class S3D8RowEmbedding(torch.nn.Module):
         return rows.to(self.dtype).reshape(*ids.shape, d)
 
 
+class Bf16RowEmbedding(torch.nn.Module):
+    """A bf16 embedding: the looked-up rows, in ``dtype``."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    def decoder_weight(self):
+        """See :meth:`S3D8Linear.decoder_weight`."""
+        return W_BF16, (self.num_embeddings, self.embedding_dim), self._buffers["weight"], None, None
+
+    def forward(self, ids):
+        return self.weight[ids].to(self.dtype)
+
+
 class Int8RowEmbedding(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -766,6 +813,11 @@ class Int8RowEmbedding(torch.nn.Module):
         self.register_buffer("scale", scale.reshape(-1))
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
+
+    def decoder_weight(self):
+        """See :meth:`S3D8Linear.decoder_weight`."""
+        b = self._buffers
+        return W_QSI8, (self.num_embeddings, self.embedding_dim), b["weight"], None, b["scale"]
 
     def forward(self, ids):
         flat = ids.reshape(-1)

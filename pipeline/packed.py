@@ -273,7 +273,7 @@ def plan_packed(path, meta: dict[str, str], model: nn.Module, names: dict[str, s
     for module_name, module in quantised_modules(model):
         saved = names[f"{module_name}.weight"]
         wfmt = others.get(saved, fmt)
-        parts = {s: f"{saved}.{s}" for s in wfmt.suffixes}
+        parts = wfmt.stored_names(saved)
         present = [k for k in parts.values() if k in header]
         if not present:
             continue                                           # stored unquantised

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import decode_step, formats, safetensors_io
-from pipeline.precision import file_formats
+from pipeline.precision import KEEP, file_formats
 
 
 class RuntimeInputError(ValueError):
@@ -57,10 +57,10 @@ def model_kind(path: str | Path) -> tuple[str, str]:
         cfg = None
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
     known = {f.name: f for f in (formats.get(n) for n in formats.names())}.get(fmt)
-    native = known is not None and known.native_kernel             # its packed bytes on the native kernels
-    if model_type == "llama" and known is not None and (native or known.layout is None):
+    native = known is not None and known.native_kernel             # its bytes on the native kernels
+    if model_type == "llama" and native:
         return "llama", fmt
-    if model_type == "mllama" and native:
+    if model_type == "mllama" and native and known.layout is not None:      # load_packed_model's files
         return "mllama", fmt
     raise RuntimeInputError(
         f"{path}: not a packed S3D8 model this runtime runs (metadata format={str(fmt)[:40]!r}, "
@@ -71,39 +71,31 @@ def model_kind(path: str | Path) -> tuple[str, str]:
 
 # --- native layers -------------------------------------------------------------------------------------------
 
-class Bf16RowEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.dtype = dtype
-
-    def forward(self, ids):
-        return self.weight[ids].to(self.dtype)
-
-
 def _llama_modules(path, meta: dict, tensors: dict[str, torch.Tensor]):
     """``(config dict, format, linear(name) -> module, embedding module)`` of a packed Llama file: each weight on its
-    format's native module (the precision plan's formats: metadata ``formats``), a weight stored plain in bf16."""
-    from pipeline import native
-
+    format's native module and row embedding (the precision plan's formats: metadata ``formats``; a weight stored
+    as it is, under its own name: bf16)."""
     cfg, main = json.loads(meta["config"]), formats.get(meta.get("format"))
     shapes = {k: tuple(v) for k, v in json.loads(meta["shapes"]).items()}
-    others = file_formats(path, meta, main)
+    others, keep = file_formats(path, meta, main), formats.get(KEEP)
 
     def parts(name: str):
-        fmt = others.get(name, main) if name in shapes else None
-        fmt = fmt if fmt is not None and fmt.layout is not None else None          # bf16: stored as it is
-        return fmt, None if fmt is None else {s: tensors[f"{name}.{s}"] for s in fmt.suffixes}
+        fmt = keep if name in tensors else others.get(name, main)
+        return fmt, fmt.stored(tensors, name), shapes.get(name) or tuple(tensors[name].shape)
 
     def linear(name: str) -> nn.Module:
-        fmt, t = parts(name)
-        return native.Bf16Linear(tensors[name]) if fmt is None else fmt.native_linear(t, shapes[name], None)
+        fmt, t, shape = parts(name)
+        return fmt.native_linear(t, shape, None)
 
-    e = "model.embed_tokens.weight"
-    fmt, t = parts(e)
-    embed = Bf16RowEmbedding(tensors[e]) if fmt is None else fmt.row_embedding(t, shapes[e])
-    return cfg, main.name, linear, embed
+    fmt, t, shape = parts("model.embed_tokens.weight")
+    return cfg, main.name, linear, fmt.row_embedding(t, shape)
+
+
+def _head(tensors: dict[str, torch.Tensor]) -> str:
+    """The output head's weight name: ``lm_head.weight`` where the file holds one (in any format), else the tied
+    embedding's."""
+    untied = any(k == "lm_head.weight" or k.startswith("lm_head.weight.") for k in tensors)
+    return "lm_head.weight" if untied else "model.embed_tokens.weight"
 
 
 def _rotary(cfg: dict):
@@ -159,8 +151,7 @@ class LeanLlama:
                     ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
                     ("down", "mlp.down_proj"))}})
         self.norm = tensors["model.norm.weight"].float()
-        self.lm_head = linear("lm_head.weight" if "lm_head.weight" in json.loads(meta["shapes"])
-                              else "model.embed_tokens.weight")
+        self.lm_head = linear(_head(tensors))
         self.inv_freq, self.rope_scaling = _rotary(cfg)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.eos = set(cfg["eos_token_id"] if isinstance(cfg.get("eos_token_id"), list) else [cfg.get("eos_token_id")])
@@ -271,8 +262,7 @@ def hf_llama(path: str | Path):
         layer.post_attention_layernorm.weight = nn.Parameter(tensors[f"{p}.post_attention_layernorm.weight"].float(),
                                                              requires_grad=False)
     model.model.norm.weight = nn.Parameter(tensors["model.norm.weight"].float(), requires_grad=False)
-    model.lm_head = linear("lm_head.weight" if "lm_head.weight" in tensors or "lm_head.weight.packed" in tensors
-                           or "lm_head.weight.int8" in tensors else "model.embed_tokens.weight")
+    model.lm_head = linear(_head(tensors))
     model.model.rotary_emb = LlamaRotaryEmbedding(config)
     model.config.tie_word_embeddings = False      # the head is its own module over the same packed bytes
     model.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -135,12 +135,12 @@ class _Exporter:
         for key in sorted(keys):
             base, _, suffix = key.rpartition(".")
             f = others.get(base, fmt)
-            if suffix in f.suffixes and all(f"{base}.{s}" in keys for s in f.suffixes):
+            if suffix in f.suffixes and all(k in keys for k in f.stored_names(base).values()):
                 if standard_name(base) in self.sources:
                     continue                        # the other parts of a weight already seen
                 if f.layout not in ENGINE_DTYPES:
                     raise SqtError(f"{file}: {base!r} is stored in format {f.name!r}, which the engine cannot read")
-                self.sources[standard_name(base)] = _Source(parts={s: f"{base}.{s}" for s in f.suffixes}, fmt=f)
+                self.sources[standard_name(base)] = _Source(parts=f.stored_names(base), fmt=f)
             else:
                 self.sources[standard_name(key)] = _Source(key=key, shape=tuple(reader.shape(key)))
         shapes = json.loads(reader.metadata().get("shapes", "{}"))

@@ -120,41 +120,37 @@ def block_rows(shape: tuple[int, int]) -> int:
 
 
 def _specs(fmt: FormatBase, state: dict, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, torch.dtype, tuple]]:
-    """The file's tensors: norms in float32, 2-D weights as ``fmt`` packs them (bf16 as they are)."""
+    """The file's tensors: norms in float32, 2-D weights as ``fmt`` stores them."""
     out = []
     for name, shape in shapes.items():
         if len(shape) == 1:
             out.append((name, torch.float32, shape))
-        elif fmt.layout is None:
-            out.append((name, torch.bfloat16, shape))
-        else:
-            out += [(f"{name}.{s}", dt, tuple(sh)) for s, (dt, sh) in fmt.packed_specs(shape, state).items()]
+            continue
+        names = fmt.stored_names(name)
+        out += [(names[s], dt, tuple(sh)) for s, (dt, sh) in fmt.packed_specs(shape, state).items()]
     return out
 
 
 class _WeightWriter:
-    """One weight of one file from its row blocks: its format's first packed tensor (or the bf16 weight) streamed
-    block by block, the others (row scales: concatenated; a table: written once) after it."""
+    """One weight of one file from its row blocks: its format's first stored tensor streamed block by block, the
+    others (row scales: concatenated; a table: written once) after it."""
 
     def __init__(self, writer: StreamingWriter, fmt: FormatBase, state: dict, name: str, shape) -> None:
-        self.writer, self.fmt, self.state, self.name = writer, fmt, state, name
-        self.specs = fmt.packed_specs(shape, state) if fmt.layout is not None else {}
+        self.writer, self.fmt, self.state = writer, fmt, state
+        self.names, self.specs = fmt.stored_names(name), fmt.packed_specs(shape, state)
         self.held: dict[str, list[torch.Tensor]] = {s: [] for s in list(self.specs)[1:]}
 
     def block(self, block: torch.Tensor) -> None:
-        if self.fmt.layout is None:
-            self.writer.write_part(self.name, block.to(torch.bfloat16))
-            return
         t = self.fmt.pack(block, self.state)
         first = next(iter(self.specs))
-        self.writer.write_part(f"{self.name}.{first}", t[first])
+        self.writer.write_part(self.names[first], t[first])
         for s in self.held:
             self.held[s].append(t[s])
 
     def finish(self) -> None:
         for s, parts in self.held.items():
             rows = sum(p.shape[0] for p in parts)
-            self.writer.write(f"{self.name}.{s}", torch.cat(parts) if rows == self.specs[s][1][0] else parts[0])
+            self.writer.write(self.names[s], torch.cat(parts) if rows == self.specs[s][1][0] else parts[0])
 
 
 def stream_blocks(s: "_Synth", shape: tuple[int, int], parts: list["_WeightWriter"]) -> None:
@@ -182,10 +178,10 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
     fmts = {f: formats_registry.get(f) for f in formats}
     first = "model.layers.0.self_attn.q_proj.weight"      # one state per model (S3D8: a table), fitted on a sample
     sample = _Synth(first, shapes[first], seed).rows(0, min(shapes[first][0], 96))    # of the first attention weight
-    states = {f: fmt.fit(sample, seed=seed) if fmt.layout is not None else {} for f, fmt in fmts.items()}
+    states = {f: fmt.fit(sample, seed=seed) for f, fmt in fmts.items()}
     writers = {}
     for f, fmt in fmts.items():
-        meta = {"format": f, "layout": fmt.layout or f,
+        meta = {"format": f, "layout": fmt.layout or f,       # bf16: no layout of its own, its weights as they are
                 "config": json.dumps(cfg, sort_keys=True, default=str),
                 "shapes": json.dumps({k: list(v) for k, v in shapes.items() if len(v) == 2}, sort_keys=True),
                 "synthetic": json.dumps({"preset": name, "seed": seed, "student_df": STUDENT_DF,

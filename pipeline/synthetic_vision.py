@@ -26,7 +26,7 @@ import torch
 
 from pipeline import formats as registry
 from pipeline.mllama_shape import Size, build_processor, skeleton_config
-from pipeline.precision import Precision
+from pipeline.precision import KEEP, Precision
 from pipeline.safetensors_io import StreamingWriter
 from pipeline.synthetic import BASE_STD, COL_SIGMA, DEFAULT_DIR, ROW_SIGMA, STUDENT_DF, _Synth, _WeightWriter, stream_blocks
 
@@ -73,7 +73,7 @@ def write_vision(preset: str | Size, out_dir: str | Path = DEFAULT_DIR, *, files
     folder.mkdir(parents=True, exist_ok=True)
     paths = {f: folder / f"{f}.safetensors" for f in files}
     plans = {f: Precision(registry.get(FILES[f][0]), FILES[f][1]) for f in files}
-    keep = registry.get("bf16")
+    keep = registry.get(KEEP)                      # what is not quantised: stored as it is
     first = next(n for n in shapes if n in quantised and ".self_attn.q_proj" in n and "language_model" in n)
     sample = _Synth(first, shapes[first], seed).rows(0, min(shapes[first][0], 96))
     fmt_of = {f: {n: (plans[f].format_of(n.removesuffix(".weight")) if n in quantised else None) for n in shapes}
@@ -89,7 +89,8 @@ def write_vision(preset: str | Size, out_dir: str | Path = DEFAULT_DIR, *, files
                 specs.append((n, torch.bfloat16, shape))
             else:
                 packed[n] = fmt
-                specs += [(f"{n}.{s}", dt, tuple(sh)) for s, (dt, sh) in fmt.packed_specs(shape, states[fmt.name]).items()]
+                names = fmt.stored_names(n)
+                specs += [(names[s], dt, tuple(sh)) for s, (dt, sh) in fmt.packed_specs(shape, states[fmt.name]).items()]
         main = plans[f].default
         meta = {"format": main.name, "layout": main.layout, "format_version": "1",
                 "shapes": json.dumps({n: list(shapes[n]) for n in packed}, sort_keys=True),

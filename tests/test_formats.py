@@ -144,3 +144,33 @@ def test_scalar_formats_pack_and_unpack_bit_for_bit(name):
         assert torch.equal(back, fmt.quantize(weight, state))
     with pytest.raises(ValueError, match="needs"):
         scalar.decode(codes[:-1], scale, state["codepoints"], fmt.block, shape)
+
+
+@pytest.mark.parametrize("name", ["int8", "bf16"])
+def test_baselines_store_decode_and_run_native_as_the_runtime_reads_them(name):
+    """INT8 and bf16 own their stored tensors as S3D8 does: ``pack`` / ``unpack`` equal ``quantize``, ``stored_names``
+    names the file's tensors (bf16: the weight itself), a row block decodes those rows, and the native linear and
+    row embedding the runtime builds from the stored tensors compute with the same weights."""
+    from pipeline import native
+
+    fmt = formats.get(name)
+    w = torch.randn(12, 40)
+    t = fmt.pack(w, fmt.fit(w))
+    assert {s: (v.dtype, tuple(v.shape)) for s, v in t.items()} == fmt.packed_specs((12, 40), {})
+    decoded = fmt.unpack(t, (12, 40))
+    assert torch.equal(decoded, fmt.quantize(w, {}).float())
+    names = fmt.stored_names("model.layers.0.mlp.up_proj.weight")
+    assert list(names) == list(fmt.suffixes)
+    assert names == ({"weight": "model.layers.0.mlp.up_proj.weight"} if name == "bf16" else
+                     {s: f"model.layers.0.mlp.up_proj.weight.{s}" for s in fmt.suffixes})
+    file = {names[s]: v for s, v in t.items()}
+    assert all(torch.equal(fmt.stored(file, "model.layers.0.mlp.up_proj.weight")[s], t[s]) for s in t)
+    block, shape = fmt.row_block(t, (12, 40), 3, 9)
+    assert shape == (6, 40) and torch.equal(fmt.unpack(block, shape), decoded[3:9])
+    ids = torch.tensor([[4, 0, 11]])
+    assert torch.equal(fmt.row_embedding(t, (12, 40))(ids), decoded[ids])
+    x = torch.randn(3, 40)
+    expected = (native.int8_matmul(x, t["int8"], t["scale"]) if name == "int8"
+                else native.bf16_matmul(x, t["weight"]))
+    assert torch.allclose(fmt.native_linear(t, (12, 40), None)(x), expected, rtol=1e-5, atol=1e-5)
+    assert fmt.native_kernel

@@ -365,7 +365,7 @@ def test_c_decode_step_and_row_embedding_refuse_tensors_without_their_bytes():
                  "down": linear(16, 32), "k_cache": torch.zeros(1, 10, 8), "v_cache": torch.zeros(1, 10, 8)}
         cos, sin_rolled = rope_tables(1.0 / 10000 ** (torch.arange(0, 8, 2) / 8), 1.0, 10)
         return dict(hidden=16, n_heads=2, n_kv_heads=1, head_dim=8, eps=1e-5, layers=[layer], cos=cos,
-                    sin_rolled=sin_rolled, embed=runtime_models.Bf16RowEmbedding(torch.randn(50, 16).bfloat16()),
+                    sin_rolled=sin_rolled, embed=native.Bf16RowEmbedding(torch.randn(50, 16).bfloat16()),
                     lm_head=linear(50, 16), norm=torch.ones(16))
 
     assert DecodeStep(**parts()).step(3, 0).shape == (50,)

@@ -79,12 +79,26 @@ class FormatBase:
     comparison: bool = False
     native_kernel: bool = False
     layout: str | None = None             # the packed file's layout name (metadata ``layout``); None: not packable
+    reader: str = ""                      # another program that reads its packed files, for model cards
     suffixes: tuple[str, ...] = ()        # packed tensors of one weight, ``P.weight.<suffix>``
 
     def __repr__(self) -> str:
         return f"<format {self.name}>"
 
+    @property
+    def quant_method(self) -> str:
+        """``quantization_config.quant_method`` of its packed Hugging Face directories."""
+        return f"s3d8-pipeline-{self.name}"
+
     # --- packed tensors of one weight (formats with a layout override these) ---------------------------
+
+    def stored_names(self, name: str) -> dict[str, str]:
+        """The file's tensor names of the weight ``name`` (``P.weight``) by part: ``P.weight.<suffix>``."""
+        return {s: f"{name}.{s}" for s in self.suffixes}
+
+    def stored(self, tensors, name: str) -> dict[str, torch.Tensor]:
+        """The parts of the weight ``name`` (``{suffix: tensor}``) from a file's ``tensors`` (name -> tensor)."""
+        return {s: tensors[key] for s, key in self.stored_names(name).items()}
 
     def packed_specs(self, shape: tuple[int, int], state: State) -> PackedSpecs:
         raise ValueError(f"format {self.name!r} has no packed layout")

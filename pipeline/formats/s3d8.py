@@ -558,6 +558,8 @@ class S3D8(FormatBase):
     label = "S3D8"
     comparison = True
     native_kernel = True
+    quant_method = "s3d8"
+    reader = "the Llama-Mobile reference loader"
     layout = LAYOUT
     suffixes = ("packed", "scale", "table")
 

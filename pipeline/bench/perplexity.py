@@ -1,0 +1,130 @@
+"""Perplexity and KL on a text of the user's choice (llama-perplexity's ``-f``): the teacher, our packed models and
+llama.cpp's GGUF files of the same teacher, each against the teacher on the same windows.
+
+    python -m pipeline.bench.perplexity --text /usr/share/common-licenses/GPL-3 --packed models/packed \\
+        --gguf 'models/real_model/*.gguf' --out reports/smollm2-135m/independent_text
+
+The check of ``pipeline.bench.real_model`` on a text nothing was calibrated or trained on: that report's perplexity
+reads the held-out half of the project's corpus (Python Language Reference prose), whose other half calibrates the
+direct cast and trains QAT. Our models load as the eval stage loads them (torch kernels, INT8 activations); a
+GGUF through llama-cpp-python (its logits of every position). KL(teacher || model) per predicted token and the
+perplexity over every position of the first ``--tokens`` tokens of the text, in windows of ``--window`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.io import write_json, write_text
+
+
+def measure(text_path: Path, teacher_dir: Path, packed_root: str, ggufs: list[str], tokens: int, window: int,
+            threads: int) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.bench import machine
+    from pipeline.bench.llama_cpp_files import llama_cpp_logits_fn
+    from pipeline.bench.real_model import packed_logits_fn, packed_models
+    from pipeline.eval.text import compare_on_windows, hf_logits_fn, text_windows
+    from pipeline.stage import console, progress
+
+    raw = text_path.read_bytes()
+    try:
+        body = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{text_path}: not UTF-8 text ({e})") from None
+    tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
+    windows = text_windows(body, tokenizer, -(-tokens // window), window, f"--text {text_path}")
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.bfloat16).eval()
+    reference = hf_logits_fn(teacher)
+    models = packed_models(packed_root, teacher.config)[0] if packed_root else []
+    models += [{"name": f"llama.cpp {Path(p).stem}", "impl": "llama.cpp", "path": p} for p in ggufs]
+    rows, tokens, teacher_ppl = [], 0, None
+    console.print(f"perplexity on {text_path} ({len(windows)} windows): {len(models)} models against {teacher_dir}")
+    with progress() as bar:
+        task = bar.add_task("models", total=len(models))
+        for m in models:
+            if m["impl"] == "ours":
+                fn, handle = packed_logits_fn(m["path"])
+            else:
+                fn, handle = llama_cpp_logits_fn(m["path"], window + 8, threads)
+            r = compare_on_windows(reference, fn, windows)
+            if m["impl"] != "ours":
+                handle.close()
+            del handle
+            rows.append({"name": m["name"], "impl": m["impl"], "path": m["path"],
+                         "file_mb": Path(m["path"]).stat().st_size / 1e6, "kl": r["kl"], "perplexity": r["perplexity"],
+                         "x_teacher": r["perplexity"] / r["teacher_perplexity"]})
+            tokens, teacher_ppl = r["tokens"], r["teacher_perplexity"]
+            console.print(f"{m['name']}: KL {r['kl']:.4f}, perplexity {r['perplexity']:.3f}")
+            bar.advance(task)
+    return {"text": {"path": str(text_path), "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw),
+                     "windows": len(windows), "window": window, "predicted_tokens": tokens},
+            "teacher": {"dir": str(teacher_dir), "dtype": "bfloat16", "perplexity": teacher_ppl},
+            "machine": machine.describe(), "threads": threads, "rows": rows}
+
+
+def verdicts(res: dict) -> list[str]:
+    """Each of our models beside each llama.cpp file: lower perplexity and KL at a smaller file?"""
+    ours = [r for r in res["rows"] if r["impl"] == "ours"]
+    theirs = [r for r in res["rows"] if r["impl"] != "ours"]
+    out = []
+    for o in ours:
+        beaten = [t["name"] for t in theirs if o["kl"] < t["kl"] and o["perplexity"] < t["perplexity"]
+                  and o["file_mb"] < t["file_mb"]]
+        out.append(f"{o['name']} ({o['x_teacher']:.2f}x the teacher): below {len(beaten)} of {len(theirs)} "
+                   f"llama.cpp files on perplexity and KL at a smaller file"
+                   + (f" ({', '.join(beaten)})" if beaten else ""))
+    return out
+
+
+def report_md(res: dict, command: str) -> str:
+    from pipeline.bench import machine
+
+    t = res["text"]
+    lines = [f"# Perplexity on a text nothing was calibrated or trained on: `{t['path']}`", "", f"`{command}`", "",
+             f"Text: {t['bytes']} bytes (sha256 {t['sha256'][:16]}...), {t['windows']} windows of <= {t['window']} "
+             f"tokens, {t['predicted_tokens']} predicted tokens. Teacher (`{res['teacher']['dir']}`, bf16) perplexity "
+             f"{res['teacher']['perplexity']:.3f}; KL (teacher || model) per predicted token.", "",
+             f"Machine: {machine.line(res['machine'])}; {res['threads']} threads.", "",
+             "| model | file MB | KL | perplexity | x teacher |", "| --- | --- | --- | --- | --- |"]
+    for r in res["rows"]:
+        lines.append(f"| {r['name']} | {r['file_mb']:.1f} | {r['kl']:.4f} | {r['perplexity']:.3f} | "
+                     f"{r['x_teacher']:.2f} |")
+    return "\n".join(lines + ["", *[f"- {v}" for v in verdicts(res)]]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.bench.real_model import _defaults
+
+    d = _defaults()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--text", required=True, help="a UTF-8 text file (e.g. /usr/share/common-licenses/GPL-3)")
+    ap.add_argument("--teacher", default=d.get("teacher") or "models/teacher", help="the teacher's HF directory")
+    ap.add_argument("--packed", default="models/packed", help="our packed models, <format>/<method>/ ('' for none)")
+    ap.add_argument("--gguf", action="append", default=[], help="GGUF files (a glob; repeatable)")
+    ap.add_argument("--tokens", type=int, default=8192, help="the first N tokens of the text (fewer if it is short)")
+    ap.add_argument("--window", type=int, default=d.get("ppl_window") or 512, help="window in tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    ggufs = sorted(p for pattern in args.gguf for p in glob.glob(pattern))
+    missing = [p for p in args.gguf if not glob.glob(p)]
+    if missing:
+        ap.error(f"--gguf {missing[0]!r}: no such file")
+    torch.set_num_threads(args.threads)
+    res = measure(Path(args.text), Path(args.teacher), args.packed, ggufs, args.tokens, args.window, args.threads)
+    command = "python -m pipeline.bench.perplexity " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_json(f"{args.out}.json", res)
+    write_text(f"{args.out}.md", report_md(res, command))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
