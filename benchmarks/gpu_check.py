@@ -350,7 +350,7 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     import skeleton_11b as S
     from pipeline import formats
     from pipeline.direct_cast import DirectCast
-    from pipeline.launch import LaunchParams
+    from pipeline.processes import LaunchParams
     from pipeline.params import defaults
     from pipeline.models import load_processor
 

@@ -32,10 +32,10 @@ from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.fit import check_states
 from pipeline.io import write_json, write_text
 from pipeline.models import dtype_of, load_config, load_model, load_processor, token_ids
-from pipeline.qat.data import batch_indices, collate, load_examples, split_heldout
-from pipeline.qat.loss import kl_sum
-from pipeline.qat.train import QATParams, _quantise, _teacher_forward, teacher_logits
-from pipeline.teacher import TeacherParams
+from pipeline.answers import batch_indices, collate, load_examples, split_heldout
+from pipeline.divergence import kl_sum
+from pipeline.qat.train import QATParams, quantise_student, teacher_forward, teacher_logits
+from pipeline.teacher_source import TeacherParams
 
 PARTS = ["collate", "teacher forward", "teacher cache gather", "student forward", "kl", "backward", "optimizer"]
 PLAIN = ["plain forward", "plain kl", "plain backward", "plain optimizer"]
@@ -141,7 +141,7 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
     cache_bytes = sum(c.numel() * c.element_size() for c in cache)
     student = load_model(teacher_p.source, torch.float32)
     t0 = time.perf_counter()
-    _quantise(student, fmt, states, p, start if calibration.path else None, {})
+    quantise_student(student, fmt, states, p, start if calibration.path else None, {})
     start_s = time.perf_counter() - t0
     plain = load_model(teacher_p.source, torch.float32)
     student.train(), plain.train()
@@ -162,7 +162,7 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
         keep = batch.pop("loss_mask").bool()
         tick("collate")
         with torch.no_grad():
-            t_rows = _teacher_forward(teacher, batch, dtype)[keep]
+            t_rows = teacher_forward(teacher, batch, dtype)[keep]
         tick("teacher forward")
         cached = torch.cat([cache[i] for i in picked])
         tick("teacher cache gather")

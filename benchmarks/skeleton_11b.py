@@ -309,7 +309,7 @@ def _examples(processor, model_dir: Path, n: int, response_len: int, seed: int =
     """Training sequences: the chat prompt with an image, and a random "teacher response" of BPE tokens."""
     import random
 
-    from pipeline.qat.data import Example
+    from pipeline.answers import Example
 
     rng = random.Random(seed)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
@@ -354,7 +354,7 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
     from pipeline.qat.engines import FSDP2Engine
     import pipeline.toy  # noqa: F401  (the toy image pool)
     from pipeline import formats
-    from pipeline.launch import LaunchParams
+    from pipeline.processes import LaunchParams
     from pipeline.params import defaults
     from pipeline.models import load_processor
     from pipeline.stage import set_threads

@@ -36,7 +36,7 @@
 #define S3D8_STREAMS 2
 #endif
 #ifndef S3D8_TOKENS /* tokens per pass over a packed row in the fused product (1..4) */
-#define S3D8_TOKENS 4 /* measured here (Zen 3): 4 beat 2 and 3 for m = 4 and 8 */
+#define S3D8_TOKENS 4
 #endif
 /* INT8 product for m > 4: blocks of weight rows x tokens (1..4 each). Measured here (Zen 3, 1 thread,
  * noisy): 3 x 3, 2 x 4 and 3 x 4 alike in cache (about 2x one row x one token), 3 x 3 ahead with

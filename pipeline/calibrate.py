@@ -37,8 +37,8 @@ from pipeline.params import non_negative, positive
 from pipeline.safetensors_io import StreamingWriter
 from pipeline.shards import file_hash, shard_paths
 from pipeline.eval.text import CORPUS, corpus_info, corpus_text, text_windows
-from pipeline.qat.data import collate, load_examples, model_inputs, split_heldout, tokenizer_of
-from pipeline.teacher import TeacherParams
+from pipeline.answers import collate, load_examples, model_inputs, split_heldout, tokenizer_of
+from pipeline.teacher_source import TeacherParams
 
 
 CALIBRATION = "data/calibration/hessians.safetensors"

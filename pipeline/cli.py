@@ -65,7 +65,7 @@ def pack_model(args) -> dict:
     from pipeline.precision import Precision, parse_rules
     from pipeline.rotate import rotate_llama
     from pipeline.stage import progress
-    from pipeline.teacher import local_dir
+    from pipeline.teacher_source import local_dir
 
     fmt = formats.comparison(args.format, "--format")
     plan = Precision(fmt, parse_rules(args.precision))

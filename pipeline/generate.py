@@ -24,13 +24,13 @@ from pipeline.diversity import diversity
 from pipeline.images import load_image
 from pipeline import ranks
 from pipeline.io import atomic_dir
-from pipeline.launch import settings as launch_settings
+from pipeline.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor
 from pipeline.params import bounded, non_negative, positive
 from pipeline.runtime import eos_ids
 from pipeline.shards import file_hash, fingerprint, read_shard, shard_paths, write_shard
 from pipeline.stage import console, progress, versions
-from pipeline.teacher import TeacherParams, local_dir
+from pipeline.teacher_source import TeacherParams, local_dir
 
 PROMPT_COLUMNS = ["index", "image_ref", "prompt", "template", "seed"]
 WORK_DIR = Path("checkpoints/teacher-generate")

@@ -20,11 +20,9 @@ import numpy as np
 import torch
 
 from pipeline.safetensors_io import StreamingWriter
+from pipeline.teacher_source import SourceError
 
 
-class SourceError(ValueError):
-    """A teacher source the import cannot use; the message is one line naming it (``pipeline.teacher`` raises
-    it too)."""
 
 
 ARCHITECTURE = "llama"          # the GGUF ``general.architecture`` this import reads

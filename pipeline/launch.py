@@ -21,68 +21,10 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
 
-from pipeline.params import ParamsError, defaults, from_dict, load_yaml, non_negative, positive
-
-ENV = "PIPELINE_LAUNCH"
-
-
-@dataclass
-class LaunchParams:
-    num_processes: int = positive()                # all machines together; 1: the script runs directly, no torchrun
-    config_file: str | None                        # torchrun topology of several machines (configs/launch/)
-    backend: Literal["auto", "gloo", "nccl"]       # auto: nccl on GPU, gloo on CPU
-    strategy: Literal["ddp", "fsdp2"]              # qat-train: replicated student (DDP) or sharded (FSDP2)
-    compute_dtype: Literal["float32", "bfloat16"]  # fsdp2: the dtype of the gathered weights
-    gradient_checkpointing: bool                   # qat-train: recompute activations in the backward pass
-    teacher: Literal["replicate", "shard"]         # fsdp2: the frozen teacher whole on every rank, or sharded
-    timeout_s: float = positive()                  # every collective's (pipeline.ranks)
-    min_disk_mb_s: float = positive()              # the slowest read or write a wait for rank 0's allows
-
-    def machines(self) -> int:
-        """The machines the run spans: the topology's ``num_machines``, 1 without one."""
-        return 1 if self.config_file is None else read_topology(self.config_file).num_machines
-
-
-@dataclass
-class Topology:
-    """A torchrun topology file (``launch.config_file``)."""
-    num_machines: int = positive(1)
-    main_address: str = "127.0.0.1"
-    main_port: int = positive(29500)
-    rdzv_id: str = "s3d8"
-    machine_rank: int | None = non_negative(None)   # null: $MACHINE_RANK (or $NODE_RANK), else 0
-
-
-def settings(params_path: str | Path = "params.yaml") -> LaunchParams:
-    """The launch settings of this run: those the launcher handed over (``$PIPELINE_LAUNCH``), else the
-    ``launch`` section of ``params_path`` when it exists, else the defaults (one process, DDP)."""
-    if os.environ.get(ENV):
-        return from_dict(LaunchParams, json.loads(os.environ[ENV]), prefix="launch")
-    return from_file(params_path)
-
-
-def from_file(params_path: str | Path) -> LaunchParams:
-    """The ``launch`` section of ``params_path`` (the project's when the file or the section is absent)."""
-    if Path(params_path).is_file():
-        doc = load_yaml(params_path) or {}
-        if isinstance(doc, dict) and "launch" in doc:
-            return from_dict(LaunchParams, doc["launch"] or {}, prefix="launch")
-    return defaults(LaunchParams, "launch")
-
-
-def read_topology(path: str | Path) -> Topology:
-    path = Path(path)
-    if not path.is_file():
-        raise ParamsError(f"parameter 'launch.config_file': {path} not found")
-    try:
-        doc = load_yaml(path)
-    except Exception as e:  # noqa: BLE001  (any YAML error)
-        raise ParamsError(f"parameter 'launch.config_file': {path} is not valid YAML ({e})") from None
-    return from_dict(Topology, doc or {}, prefix=f"launch.config_file {path}:")
+from pipeline.params import ParamsError
+from pipeline.processes import ENV, LaunchParams, from_file, read_topology
 
 
 def command(script: str, args: list[str], p: LaunchParams) -> list[str]:
@@ -107,21 +49,6 @@ def command(script: str, args: list[str], p: LaunchParams) -> list[str]:
     return [*run, "--nnodes", str(topo.num_machines), "--node-rank", str(rank),
             "--nproc-per-node", str(processes // topo.num_machines), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{topo.main_address}:{topo.main_port}", "--rdzv-id", topo.rdzv_id, script, *args]
-
-
-def run_stage(main: Callable[[], object]) -> None:
-    """Run a launched stage script's ``main``, then leave the process group it formed (through ``accelerate``
-    or ``pipeline.qat.distributed``), on return and on error alike: accelerate's ``end_training`` convention.
-    A gloo group left to the interpreter's exit can abort the process (``terminate called without an active
-    exception``, exit code -6) after a clean error that should exit with 1. A group that was formed before the
-    call is left alone."""
-    import torch.distributed as dist
-    owned = not dist.is_initialized()
-    try:
-        main()
-    finally:
-        if owned and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def plan_main(argv: list[str]) -> int:

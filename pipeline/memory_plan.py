@@ -38,7 +38,7 @@ def count_params(config) -> dict:
     total, quantised (the recipe's Linear / Embedding weights), the largest FSDP2 unit and quantised matrix, the
     text layers (self- and cross-attention), the vision layers, and what the memory model needs."""
     from pipeline.models import meta_model
-    from pipeline.qat.distributed import sharding_units
+    from pipeline.models import sharding_units
     from pipeline.recipe import quantised_modules
 
     model = meta_model(config)
@@ -225,7 +225,7 @@ def _local_config(source: str, why: str = "") -> Path:
     if (path / "config.json").is_file():
         return path / "config.json"
     hub = (source.count("/") == 1 and not path.exists() and not source.startswith((".", "/"))
-           and not path.parent.is_dir())                # as pipeline.teacher.local_dir tells a hub id from a path
+           and not path.parent.is_dir())                # as pipeline.teacher_source.local_dir tells a hub id from a path
     if hub:
         from huggingface_hub import try_to_load_from_cache
 

@@ -15,13 +15,13 @@ checkpoint name, so the fitted state, the packed tensors and the student's weigh
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
+from torch import nn
 
 from pipeline.checkpoint import module_to_checkpoint_names
 from pipeline.recipe import quantised_modules
-from pipeline.teacher import local_dir
+from pipeline.teacher_source import local_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,3 +105,27 @@ def token_ids(config) -> int:
     """How many token ids a prompt may hold: the text vocabulary and, for Mllama, the image token (added after
     the vocabulary: its id may equal the text vocabulary size)."""
     return max(config.get_text_config().vocab_size, getattr(config, "image_token_index", -1) + 1)
+
+
+def sharding_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules that become FSDP2 units, innermost first (the root is sharded last, by the caller)."""
+    from transformers import LlamaForCausalLM, MllamaForConditionalGeneration
+
+    if isinstance(model, MllamaForConditionalGeneration):
+        inner = model.model
+        units = [(f"model.vision_model.transformer.layers.{i}", m)
+                 for i, m in enumerate(inner.vision_model.transformer.layers)]
+        units += [(f"model.vision_model.global_transformer.layers.{i}", m)
+                  for i, m in enumerate(inner.vision_model.global_transformer.layers)]
+        language, prefix = inner.language_model, "model.language_model"
+    elif isinstance(model, LlamaForCausalLM):
+        units, language, prefix = [], model.model, "model"
+    else:
+        raise ValueError(f"launch.strategy=fsdp2 shards Mllama (MllamaForConditionalGeneration) and Llama "
+                         f"(LlamaForCausalLM) models; this model is a {type(model).__name__} (use launch.strategy=ddp)")
+    units += [(f"{prefix}.layers.{i}", m) for i, m in enumerate(language.layers)]
+    tied = model.lm_head.weight is language.embed_tokens.weight
+    units.append((f"{prefix}.embed_tokens", language.embed_tokens))
+    if not tied:                                  # tied: one unit holds the shared weight
+        units.append(("lm_head", model.lm_head))
+    return units

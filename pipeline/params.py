@@ -162,9 +162,9 @@ _Loader.add_implicit_resolver(
 
 SECTIONS: dict[str, str] = {
     "toy_teacher": "pipeline.toy.settings:ToyTeacherParams",
-    "teacher": "pipeline.teacher:TeacherParams",
+    "teacher": "pipeline.teacher_source:TeacherParams",
     "formats": "pipeline.formats:check_names",
-    "heldout_prompts": "pipeline.qat.data:check_heldout",
+    "heldout_prompts": "pipeline.answers:check_heldout",
     "fit": "pipeline.fit:FitParams",
     "sample": "pipeline.sample:SampleParams",
     "generate": "pipeline.generate:GenerateParams",
@@ -173,7 +173,7 @@ SECTIONS: dict[str, str] = {
     "pack": "pipeline.ptq:PackParams",
     "eval": "pipeline.eval.suite:EvalParams",
     "bench": "pipeline.bench:BenchParams",
-    "launch": "pipeline.launch:LaunchParams",
+    "launch": "pipeline.processes:LaunchParams",
 }
 """Every key of ``params.yaml`` and the schema that validates it (imported only to validate)."""
 

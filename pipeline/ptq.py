@@ -4,7 +4,7 @@ under ``pipeline/formats/``, with what they share in ``pipeline.formats.numerics
 
 Methods (``METHODS``), for every comparison format:
 
-- ``absmax``: today's rule, the format's own ``fit`` and ``pack`` (absmax scales; for S3D8 the
+- ``absmax``: the paper's rule, the format's own ``fit`` and ``pack`` (absmax scales; for S3D8 the
   table fitted on absmax-normalised 3-vectors). Equal to ``fmt.quantize`` bit for bit.
 - ``search``: scale search. Each scale (S3D8: per row; 6-level formats: per block) is chosen to
   minimise the (importance-weighted) reconstruction error: a clipping grid ``alpha * absmax / qmax``

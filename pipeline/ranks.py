@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
-# ``launch`` below: the launch settings (pipeline.launch.LaunchParams; not imported: the launcher's plan reads this)
+# ``launch`` below: the launch settings (pipeline.processes.LaunchParams; not imported: the launcher's plan reads this)
 POLL = timedelta(seconds=30)          # rank 0 looks for the others' results this often (no deadline)
 
 
@@ -117,6 +117,6 @@ def planned_waits(params: dict, counts: dict) -> list[str]:
 
 def teacher_bytes(source: str) -> int:
     """The bytes of the teacher's weight files (what loading it reads)."""
-    from pipeline.teacher import local_dir
+    from pipeline.teacher_source import local_dir
 
     return sum(f.stat().st_size for f in local_dir(source).glob("*.safetensors"))

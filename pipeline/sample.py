@@ -16,7 +16,7 @@ from pipeline.params import positive
 from pipeline.prompts import SamplerParams, load_pool, render, sample
 from pipeline.shards import write_shard
 from pipeline.stage import versions
-from pipeline.teacher import TeacherParams
+from pipeline.teacher_source import TeacherParams
 
 
 @dataclass

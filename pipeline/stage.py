@@ -27,14 +27,14 @@ def progress() -> Progress:
 
 
 def versions() -> dict[str, str]:
-    """Versions of what produced an output, recorded beside the seeds (the same on every run of one set-up)."""
-    import torch
-    import transformers
+    """Versions of what produced an output, recorded beside the seeds (the same on every run of one set-up); read
+    from the installed distributions' metadata, so that asking imports nothing."""
+    from importlib import metadata
 
     from pipeline import __version__
 
-    return {"pipeline": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__}
+    return {"pipeline": __version__, "python": platform.python_version(), "torch": metadata.version("torch"),
+            "transformers": metadata.version("transformers")}
 
 
 def git_commit() -> str:

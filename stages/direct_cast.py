@@ -26,15 +26,15 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.fit import check_states
 from pipeline.formats.base import check_weight
 from pipeline.io import atomic_dir
-from pipeline.launch import run_stage
-from pipeline.launch import settings as launch_settings
+from pipeline.processes import run_stage
+from pipeline.processes import settings as launch_settings
 from pipeline.precision import Precision
 from pipeline.models import load_config, load_model, load_processor, meta_model, quantised_weight_names, token_ids
-from pipeline.qat.data import model_inputs
-from pipeline.qat.distributed import device
+from pipeline.answers import model_inputs
+from pipeline.processes import device
 from pipeline.filehash import file_hash
 from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
-from pipeline.teacher import local_dir
+from pipeline.teacher_source import local_dir
 
 
 def main(argv: list[str] | None = None) -> None:

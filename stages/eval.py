@@ -26,11 +26,11 @@ import pipeline.toy  # noqa: F401  (registers the toy tasks and image pool)
 from pipeline import params
 from pipeline.eval.suite import EvalParams, run
 from pipeline.io import atomic_dir, write_json, write_text
-from pipeline.launch import run_stage
+from pipeline.processes import run_stage
 from pipeline.eval.text import corpus_info
 from pipeline.report import plot_scores, scores_csv, summary_markdown, text_scores_csv, text_summary_markdown
 from pipeline.stage import console, run_log, set_threads, stage_errors
-from pipeline.teacher import TeacherParams
+from pipeline.teacher_source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

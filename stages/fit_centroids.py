@@ -18,7 +18,7 @@ from pipeline import formats, params
 from pipeline.fit import FitParams, fit_model
 from pipeline.io import write_json
 from pipeline.stage import console, run_log, set_threads, stage_errors, versions
-from pipeline.teacher import TeacherParams
+from pipeline.teacher_source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

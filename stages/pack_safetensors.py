@@ -33,7 +33,7 @@ from pipeline.precision import Precision
 from pipeline.ptq import PackParams
 from pipeline.qat.engines import QAT_STATE
 from pipeline.stage import console, progress, stage_errors, versions
-from pipeline.teacher import TeacherParams, local_dir
+from pipeline.teacher_source import TeacherParams, local_dir
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

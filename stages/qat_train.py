@@ -23,17 +23,17 @@ from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.direct_cast import INDEX, DirectCast
 from pipeline.fit import check_states
 from pipeline.io import write_json
-from pipeline.launch import run_stage
+from pipeline.processes import run_stage
 from pipeline.models import load_config, load_processor, token_ids
 from pipeline.precision import Precision
 from pipeline.ptq import PackParams
 from pipeline.chat import is_text_only, tokenizer_of
 from pipeline.eval.text import corpus_info, corpus_text, text_windows
-from pipeline.qat.data import load_examples, split_heldout, text_examples
+from pipeline.answers import load_examples, split_heldout, text_examples
 from pipeline.qat.train import QATParams, train
 from pipeline.shards import file_hash, fingerprint, shard_paths
 from pipeline.stage import run_log, set_threads, stage_errors
-from pipeline.teacher import TeacherParams, local_dir
+from pipeline.teacher_source import TeacherParams, local_dir
 
 
 def main(argv: list[str] | None = None) -> None:

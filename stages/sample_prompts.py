@@ -16,7 +16,7 @@ from pipeline import params
 from pipeline.io import write_json
 from pipeline.sample import SampleParams, sample_prompts
 from pipeline.stage import console, stage_errors
-from pipeline.teacher import TeacherParams
+from pipeline.teacher_source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

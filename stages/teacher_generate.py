@@ -19,9 +19,9 @@ import pipeline.toy  # noqa: F401  (the `toy` image pool the sampled prompts ref
 from pipeline import params
 from pipeline.generate import GenerateParams, run
 from pipeline.io import write_json
-from pipeline.launch import run_stage
+from pipeline.processes import run_stage
 from pipeline.stage import console, run_log, set_threads, stage_errors
-from pipeline.teacher import TeacherParams
+from pipeline.teacher_source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

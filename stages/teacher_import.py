@@ -17,7 +17,8 @@ import argparse
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline import params
 from pipeline.stage import console, stage_errors
-from pipeline.teacher import TeacherParams, import_teacher
+from pipeline.teacher import import_teacher
+from pipeline.teacher_source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

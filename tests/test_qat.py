@@ -7,7 +7,7 @@ from torch import nn
 from pipeline import formats
 from pipeline.qat.api import prepare
 from pipeline.recipe import quantised_modules
-from pipeline.qat.loss import response_kl_sum
+from pipeline.divergence import response_kl_sum
 from pipeline.qat.modules import QuantEmbedding, QuantLinear
 from pipeline.quant import fake_quant_activations
 
@@ -141,7 +141,7 @@ def test_ptq_start_is_the_direct_cast(fmt):
     from pipeline import ptq
     from pipeline.qat.modules import learned_scale
     from pipeline.params import defaults
-    from pipeline.qat.train import QATParams, _quantise
+    from pipeline.qat.train import QATParams, quantise_student
 
     torch.manual_seed(0)
     model = Tiny()
@@ -151,7 +151,7 @@ def test_ptq_start_is_the_direct_cast(fmt):
     states = {n: formats.get(fmt).fit(w) for n, w in teacher.items()}
     start = lambda name, w: ptq.start(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))  # noqa: E731
     names = {}
-    _quantise(model, formats.get(fmt), states, defaults(QATParams, "qat", init="ptq", learn_scales=True), start, names)
+    quantise_student(model, formats.get(fmt), states, defaults(QATParams, "qat", init="ptq", learn_scales=True), start, names)
     assert names == {"embed": "embed.weight", "proj": "proj.weight"}
     for name, w in teacher.items():
         want = ptq.direct_cast(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))
@@ -174,7 +174,7 @@ def _toy_examples(n: int, seed: int = 0):
     """Training sequences for the committed toy teacher: prompts with its image token, varied lengths."""
     import random
 
-    from pipeline.qat.data import Example
+    from pipeline.answers import Example
 
     rng = random.Random(seed)
     return [Example(i, f"toy:{i}:0", (0, 1202, *(rng.randrange(10, 1200) for _ in range(rng.randrange(3, 12)))),
@@ -191,9 +191,9 @@ def _toy(dtype):
 def test_cached_teacher_logits_give_the_per_step_kl_and_gradients():
     """qat.teacher_logits cache: the rows computed once (other batches, other padding) are the per-step
     forward's to bf16 rounding, and the KL and the student's gradients agree to 1e-3 relative."""
-    from pipeline.qat.data import collate
-    from pipeline.qat.loss import kl_sum
-    from pipeline.qat.train import _teacher_forward, teacher_logits
+    from pipeline.answers import collate
+    from pipeline.divergence import kl_sum
+    from pipeline.qat.train import teacher_forward, teacher_logits
 
     teacher, processor = _toy(torch.bfloat16)
     examples = _toy_examples(6)
@@ -204,7 +204,7 @@ def test_cached_teacher_logits_give_the_per_step_kl_and_gradients():
     batch = collate([examples[i] for i in picked], processor, 160)
     keep = batch.pop("loss_mask").bool()
     with torch.no_grad():
-        per_step = _teacher_forward(teacher, batch, torch.bfloat16)[keep]
+        per_step = teacher_forward(teacher, batch, torch.bfloat16)[keep]
     cached = torch.cat([cache[i] for i in picked])
     assert cached.shape == per_step.shape
     assert torch.allclose(cached.float(), per_step.float(), rtol=0, atol=0.07)   # a few bf16 ulps of |logit| < 16
@@ -225,8 +225,8 @@ def test_cached_teacher_logits_give_the_per_step_kl_and_gradients():
 @pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])   # 2: ~1 s alone, 30 s on a busy core
 def test_qat_steps_give_the_same_bytes_at_one_thread_count(threads):
     """Same parameters and seeds, same thread count: the same student bytes (a fixed reduction order)."""
-    from pipeline.qat.data import collate
-    from pipeline.qat.loss import kl_sum
+    from pipeline.answers import collate
+    from pipeline.divergence import kl_sum
     from pipeline.qat.train import teacher_logits
 
     before = torch.get_num_threads()
@@ -282,7 +282,7 @@ def test_tied_modules_get_one_post_training_start():
     from pipeline import ptq
     from pipeline.models import quantised_weight_names
     from pipeline.params import defaults
-    from pipeline.qat.train import QATParams, _quantise
+    from pipeline.qat.train import QATParams, quantise_student
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=1,
@@ -299,7 +299,7 @@ def test_tied_modules_get_one_post_training_start():
         calls.append(name)
         return ptq.start(formats.get("s3d8"), w, method="search")
 
-    _quantise(model, fmt, states, defaults(QATParams, "qat", init="ptq", learn_scales=True), start, {})
+    quantise_student(model, fmt, states, defaults(QATParams, "qat", init="ptq", learn_scales=True), start, {})
     assert len(calls) == len(set(calls)) == len(states)
     head, emb = model.lm_head, model.model.embed_tokens
     assert head.weight is emb.weight and torch.equal(head.qstate["table"], emb.qstate["table"])

@@ -22,7 +22,7 @@ _COLLECT = """
 import json, sys, time
 import torch.distributed as dist
 from pipeline import ranks
-from pipeline.launch import settings
+from pipeline.processes import settings
 ranks.init_process_group(settings())
 rank = dist.get_rank()
 if rank == 1:
@@ -41,7 +41,7 @@ if got is not None and rank == 0:
 # qat-train's reads on rank 0 (the sharded teacher and the fp32 student): each made 3 s long
 _QAT_LOAD = """
 import json, time, torch
-from pipeline.launch import settings
+from pipeline.processes import settings
 from pipeline.qat import engines as E
 load = E.load_model
 def slow(*args, **kwargs):

@@ -336,7 +336,7 @@ def test_llama_cpp_quantizes_records_refusals_and_counts(teacher, tmp_path):
 def test_quality_and_speed_children_on_llama_cpp(teacher, bf16_gguf, tmp_path):
     pytest.importorskip("llama_cpp")
     from pipeline.eval.text import TextReference
-    from pipeline.qat.data import Example
+    from pipeline.answers import Example
 
     _, _, teacher_dir = teacher
     examples = [Example(0, None, (1, 5, 9, 12), (20, 31, 7, 2)), Example(1, None, (1, 8, 3), (14, 15, 16, 17, 2))]
@@ -389,7 +389,7 @@ def test_our_packed_rows_census_quality_and_speed(teacher, tmp_path):
     from pipeline.eval.text import TextReference
     from pipeline.fit import fit_model
     from pipeline.packed import write_packed
-    from pipeline.qat.data import Example
+    from pipeline.answers import Example
     from transformers import AutoConfig
 
     model, _, teacher_dir = teacher
@@ -444,7 +444,7 @@ def test_sensitivity_puts_back_one_group_at_a_time_and_restores_the_student(tmp_
     from pipeline.eval.text import TextReference, hf_logits_fn
     from pipeline.fit import fit_model
     from pipeline.packed import load_packed_model, write_packed
-    from pipeline.qat.data import Example
+    from pipeline.answers import Example
     from pipeline.recipe import replace
     from tests.test_teacher_import import tiny_llama
 

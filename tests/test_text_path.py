@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_teacher_import import byte_vocabulary, tiny_llama, write_tiny_llama_gguf  # noqa: E402
 
 from pipeline.eval import text  # noqa: E402
-from pipeline.qat.data import Example, collate, load_examples, model_inputs  # noqa: E402
+from pipeline.answers import Example, collate, load_examples, model_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ def test_sample_and_generate_text_prompts(tmp_path, teacher_dir, tokenizer):
     from pipeline.params import defaults
     from pipeline.sample import SampleParams, sample_prompts
     from pipeline.shards import read_shard
-    from pipeline.teacher import TeacherParams
+    from pipeline.teacher_source import TeacherParams
 
     tp = defaults(TeacherParams, "teacher", source="unused", dir=str(teacher_dir), name="tiny")
     p = defaults(SampleParams, "sample", n_prompts=6, shard_size=3, images="no-such-pool",
@@ -94,7 +94,7 @@ def test_qat_corpus_windows_distill_every_token_after_the_first(teacher_dir, tok
     import dataclasses
 
     from pipeline.params import load
-    from pipeline.qat.data import text_examples
+    from pipeline.answers import text_examples
     from pipeline.qat.train import QATParams
     from stages.qat_train import corpus_examples
 
@@ -119,7 +119,7 @@ def test_qat_corpus_windows_distill_every_token_after_the_first(teacher_dir, tok
 
 
 def test_fsdp2_units_of_a_llama_are_its_decoder_layers(teacher):
-    from pipeline.qat.distributed import sharding_units
+    from pipeline.models import sharding_units
 
     names = [n for n, _ in sharding_units(teacher)]
     assert names == ["model.layers.0", "model.layers.1", "model.embed_tokens"]     # tied: lm_head shares it

@@ -38,7 +38,7 @@ _MAIN_TYPE = {"IQ3_M": "IQ3_S", "IQ3_XS": "IQ3_S", "IQ2_M": "IQ2_S", "MXFP4_MOE"
 def source_gguf(teacher_dir: str | Path) -> Path:
     """The GGUF a teacher directory was imported from (its ``teacher_import.json``): the installed package's file
     or the local path."""
-    from pipeline.teacher import PROVENANCE, package_file
+    from pipeline.teacher_source import PROVENANCE, package_file
 
     record = Path(teacher_dir) / PROVENANCE
     if not record.is_file():

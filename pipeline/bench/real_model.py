@@ -322,7 +322,7 @@ def run(args, out_dir: str | Path | None = None) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.eval import text
-    from pipeline.qat.data import load_examples, split_heldout
+    from pipeline.answers import load_examples, split_heldout
     from pipeline.stage import console, progress
 
     teacher_dir = Path(args.teacher)

@@ -50,7 +50,7 @@ def measure(packed: Path, teacher_dir: Path, teacher_data: str, heldout: int, ma
 
     from pipeline.eval import text
     from pipeline.packed import load_packed_model
-    from pipeline.qat.data import load_examples, split_heldout
+    from pipeline.answers import load_examples, split_heldout
     from pipeline.stage import console, progress
 
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.qat.data import collate, model_inputs
-from pipeline.qat.loss import response_kl_sum
+from pipeline.answers import collate, model_inputs
+from pipeline.divergence import response_kl_sum
 
 
 class HeldoutKL:

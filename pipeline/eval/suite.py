@@ -14,15 +14,15 @@ from pipeline.chat import is_text_only
 from pipeline.eval.kl import HeldoutKL
 from pipeline.eval.runner import evaluate
 from pipeline.eval.tasks import family_of, load_task
-from pipeline.launch import settings as launch_settings
+from pipeline.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor, token_ids
 from pipeline.packed import load_packed_model, read_metadata
 from pipeline.packed_modules import DECODES, check_kernel
 from pipeline.params import non_negative, positive
-from pipeline.qat.data import load_examples, split_heldout
+from pipeline.answers import load_examples, split_heldout
 from pipeline.recipe import STUDENTS
 from pipeline.stage import console
-from pipeline.teacher import TeacherParams, local_dir
+from pipeline.teacher_source import TeacherParams, local_dir
 
 
 @dataclass
@@ -105,18 +105,19 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
             path = packed_path(fmt.name, method)
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: packed model not found (run pack-safetensors for {fmt.name})")
-    processor = load_processor(teacher_p.dir)
+    teacher_dir = str(local_dir(teacher_p.dir))            # resolved once (a hub id: its cached snapshot)
+    teacher_bytes = sum(f.stat().st_size for f in Path(teacher_dir).glob("*.safetensors"))
+    processor = load_processor(teacher_dir)
     if is_text_only(processor):
-        return _run_text(p, teacher_p, chosen, heldout, teacher_data, processor, state)
+        return _run_text(p, teacher_p, teacher_dir, teacher_bytes, chosen, heldout, teacher_data, processor, state)
     if not p.tasks:
         raise ValueError("eval.tasks: name at least one task")
     for task in p.tasks:
         family_of(task)
-    teacher = load_model(teacher_p.dir, dtype_of(teacher_p.dtype)).to(device)
+    teacher = load_model(teacher_dir, dtype_of(teacher_p.dtype)).to(device)
     tasks = {name: load_task(name, p.n, p.seed, p.sources.get(name)) for name in p.tasks}
     _, held = split_heldout(load_examples(teacher_data, token_ids(teacher.config)), heldout)
     kl = HeldoutKL(teacher, processor, held, p.kl_batch_size, p.max_seq_len)
-    teacher_bytes = sum(f.stat().st_size for f in local_dir(teacher_p.dir).glob("*.safetensors"))
     jobs = _jobs([f.name for f in chosen], p.blind_baseline)
     done = []
     for job in jobs[state.process_index::state.num_processes]:
@@ -148,8 +149,8 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
     return {"models": models, "scores_cleaned": cleaned}, baselines, answers
 
 
-def _run_text(p: EvalParams, teacher_p: TeacherParams, chosen: list, heldout: int, teacher_data: str, tokenizer,
-              state) -> tuple[dict, dict, dict[str, pa.Table]]:
+def _run_text(p: EvalParams, teacher_p: TeacherParams, teacher_dir: str, teacher_bytes: int, chosen: list, heldout: int,
+              teacher_data: str, tokenizer, state) -> tuple[dict, dict, dict[str, pa.Table]]:
     """A text-only teacher: per model KL to the teacher and top-1 agreement on the held-out teacher answers,
     perplexity on the held-out corpus (:mod:`pipeline.eval.text`), and a greedy generation sample for the first
     held-out prompt. ``({"models": {name: {format, method, bpp, size_mb, kl, top1_agreement, perplexity}}},
@@ -159,12 +160,11 @@ def _run_text(p: EvalParams, teacher_p: TeacherParams, chosen: list, heldout: in
     if state.num_processes > 1:
         raise ValueError("eval of a text-only teacher runs on one process: set launch.num_processes=1")
     device = state.device
-    teacher = load_model(teacher_p.dir, dtype_of(teacher_p.dtype)).to(device)
+    teacher = load_model(teacher_dir, dtype_of(teacher_p.dtype)).to(device)
     _, held = split_heldout(load_examples(teacher_data, token_ids(teacher.config)), heldout)
     console.print(f"eval: the teacher's side ({len(held)} held-out answers, {p.perplexity_tokens} corpus tokens)")
     reference = TextReference.build(teacher, tokenizer, held, corpus_windows(tokenizer, p.perplexity_tokens,
                                                                              p.perplexity_window), p.max_seq_len)
-    teacher_bytes = sum(f.stat().st_size for f in local_dir(teacher_p.dir).glob("*.safetensors"))
     prompt = torch.tensor([list(held[0].prompt_ids)])
     models, answers = {}, {}
     for job in _jobs([f.name for f in chosen], blind=False):

@@ -24,6 +24,8 @@ from functools import lru_cache
 
 import torch
 
+from pipeline.divergence import kl_sum
+
 CORPUS = "python-language-reference-prose"
 HELDOUT_EVERY = 2          # topics i with i % HELDOUT_EVERY == HELDOUT_EVERY - 1 (sorted names) are held out
 
@@ -120,7 +122,7 @@ class TextReference:
     @classmethod
     def build(cls, teacher_model, tokenizer, heldout_examples: Sequence, windows: list[list[int]],
               max_seq_len: int | None = None) -> TextReference:
-        """``heldout_examples``: :class:`pipeline.qat.data.Example` (prompt ids, then the teacher's answer ids);
+        """``heldout_examples``: :class:`pipeline.answers.Example` (prompt ids, then the teacher's answer ids);
         each sequence is cut to ``max_seq_len`` tokens when given. ``tokenizer`` is unused for now but names the
         vocabulary the ids come from."""
         del tokenizer
@@ -145,8 +147,7 @@ class TextReference:
         for seq in self.answers:
             student = logits_fn(seq.ids)[seq.start:len(seq.ids) - 1].float()
             teacher = seq.teacher.float()
-            t_logp, s_logp = torch.log_softmax(teacher, -1), torch.log_softmax(student, -1)
-            kl += (t_logp.exp() * (t_logp - s_logp)).sum().item()
+            kl += kl_sum(student, teacher).item()
             agree += (student.argmax(-1) == teacher.argmax(-1)).sum().item()
             tokens += student.shape[0]
         nll = predicted = 0.0
@@ -166,9 +167,9 @@ def compare_on_windows(teacher: LogitsFn, student: LogitsFn, windows: list[list[
     n = 0
     for ids in windows:
         target = torch.tensor(ids[1:])[:, None]
-        t_logp = torch.log_softmax(teacher(ids)[:-1].float(), -1)
-        s_logp = torch.log_softmax(student(ids)[:-1].float(), -1)
-        kl += (t_logp.exp() * (t_logp - s_logp)).sum().item()
+        t_logits, s_logits = teacher(ids)[:-1].float(), student(ids)[:-1].float()
+        kl += kl_sum(s_logits, t_logits).item()
+        t_logp, s_logp = torch.log_softmax(t_logits, -1), torch.log_softmax(s_logits, -1)
         nll_t -= t_logp.gather(1, target).sum().item()
         nll_s -= s_logp.gather(1, target).sum().item()
         n += len(ids) - 1

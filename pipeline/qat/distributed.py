@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.models import sharding_units
+from pipeline.processes import device
 from pipeline.recipe import Quantised
 
 META = "meta.json"
@@ -53,36 +55,6 @@ def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
-def device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def sharding_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules that become FSDP2 units, innermost first (the root is sharded last, by the caller)."""
-    from transformers import LlamaForCausalLM, MllamaForConditionalGeneration
-
-    if isinstance(model, MllamaForConditionalGeneration):
-        inner = model.model
-        units = [(f"model.vision_model.transformer.layers.{i}", m)
-                 for i, m in enumerate(inner.vision_model.transformer.layers)]
-        units += [(f"model.vision_model.global_transformer.layers.{i}", m)
-                  for i, m in enumerate(inner.vision_model.global_transformer.layers)]
-        language, prefix = inner.language_model, "model.language_model"
-    elif isinstance(model, LlamaForCausalLM):
-        units, language, prefix = [], model.model, "model"
-    else:
-        raise ValueError(f"launch.strategy=fsdp2 shards Mllama (MllamaForConditionalGeneration) and Llama "
-                         f"(LlamaForCausalLM) models; this model is a {type(model).__name__} (use launch.strategy=ddp)")
-    units += [(f"{prefix}.layers.{i}", m) for i, m in enumerate(language.layers)]
-    tied = model.lm_head.weight is language.embed_tokens.weight
-    units.append((f"{prefix}.embed_tokens", language.embed_tokens))
-    if not tied:                                  # tied: one unit holds the shared weight
-        units.append(("lm_head", model.lm_head))
-    return units
 
 
 def shard(model: nn.Module, compute_dtype: torch.dtype | None = None) -> nn.Module:

@@ -18,7 +18,7 @@ import torch
 
 from pipeline import ranks
 from pipeline.io import atomic_dir
-from pipeline.launch import LaunchParams
+from pipeline.processes import LaunchParams
 from pipeline.models import load_config, load_model, meta_model
 from pipeline.qat.modules import _FakeQuant
 from pipeline.safetensors_io import write_tensors

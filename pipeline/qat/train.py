@@ -23,13 +23,14 @@ from typing import Callable, Literal
 import torch
 
 from pipeline.formats import FormatBase
-from pipeline.launch import LaunchParams
-from pipeline.launch import settings as launch_settings
+from pipeline.processes import LaunchParams
+from pipeline.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_processor, quantised_weight_names, states_by_module
 from pipeline.params import bounded, non_negative, positive
 from pipeline.qat.api import prepare
-from pipeline.qat.data import Example, batch_indices, collate, model_inputs
-from pipeline.qat.loss import kl_sum
+from pipeline.qat.distributed import ReshardError
+from pipeline.answers import Example, batch_indices, collate, model_inputs
+from pipeline.divergence import kl_sum
 from pipeline.qat.engines import AccelerateEngine, FSDP2Engine
 from pipeline.precision import Precision
 from pipeline.qat.modules import learned_scale
@@ -129,7 +130,7 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     teacher = engine.teacher(teacher_source, dtype_of(teacher_dtype))
     teacher.requires_grad_(False)
     names: dict[str, str] = {}
-    student = engine.student(teacher_source, lambda model: _quantise(model, plan, states, p, start, names), launch)
+    student = engine.student(teacher_source, lambda model: quantise_student(model, plan, states, p, start, names), launch)
     bits = average_bits(student, fmt)
     lr = p.lr if p.lr is not None else p.lr_scale * recipe_lr(bits)
     scale_lr = p.scale_lr
@@ -206,7 +207,7 @@ def _resume(engine, checkpoint: Path, student, optimizer, fingerprint: str, name
                 console.print(f"qat-train {name}: resuming at step {start} from {checkpoint}")
             return start, history
         except ValueError as e:
-            if type(e).__name__ == "ReshardError":    # pipeline.qat.distributed: stop, naming the checkpoint
+            if isinstance(e, ReshardError):           # another process count's checkpoint: stop, naming it
                 raise
             if main:
                 console.print(f"qat-train {name}: {e}; starting afresh")
@@ -228,7 +229,7 @@ def _step(engine, student, teacher, optimizer, chunks: list, examples: list[Exam
             t_logits = torch.cat([cache[i] for i in chunks[a]])
         else:
             with torch.no_grad():
-                t_logits = _teacher_forward(teacher, batch, engine.teacher_dtype)[keep]
+                t_logits = teacher_forward(teacher, batch, engine.teacher_dtype)[keep]
         kl = kl_sum(student(**batch).logits[keep], t_logits)
         # DDP and FSDP2 average gradients over processes; scale back to a sum over the global batch.
         loss = kl / max(global_tokens, 1) * engine.world
@@ -239,7 +240,8 @@ def _step(engine, student, teacher, optimizer, chunks: list, examples: list[Exam
     return engine.reduce_sum(torch.tensor(kl_total, device=engine.device)).item(), global_tokens
 
 
-def _teacher_forward(teacher, batch: dict, dtype: torch.dtype) -> torch.Tensor:
+def teacher_forward(teacher, batch: dict, dtype: torch.dtype) -> torch.Tensor:
+    """The teacher's logits of a batch (``answers.collate``'s), its inputs in ``dtype``."""
     return teacher(**model_inputs(batch, dtype)).logits
 
 
@@ -258,13 +260,13 @@ def teacher_logits(teacher, examples: list[Example], processor, max_seq_len: int
             batch = collate(examples[a:a + batch_size], processor, max_seq_len)
             batch = {k: v.to(device) for k, v in batch.items()}
             keep = batch.pop("loss_mask").bool()
-            logits = _teacher_forward(teacher, batch, dtype)
+            logits = teacher_forward(teacher, batch, dtype)
             out.extend(logits[i][keep[i]].clone() for i in range(len(keep)))
             bar.advance(task, len(keep))
     return out
 
 
-def _quantise(model, plan: Precision | FormatBase, states: dict, p: QATParams, start: Start | None,
+def quantise_student(model, plan: Precision | FormatBase, states: dict, p: QATParams, start: Start | None,
               names: dict) -> None:
     """Swap the quantised modules of ``model`` for fake-quantised ones (``prepare``): from the teacher's weights
     with the fitted states, or (``qat.init: ptq``) from the post-training point, whose weights, tables and scales

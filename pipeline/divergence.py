@@ -1,4 +1,5 @@
-"""The distillation loss: forward KL(teacher || student) of next-token distributions, response tokens only."""
+"""KL(teacher || student) of next-token distributions: the one definition QAT's loss (response tokens only) and
+every evaluation (held-out answers, text windows) use."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Training sequences for distillation: the teacher's prompts and answers (and, for a text-only Llama, windows of
-plain text), batched for Mllama or a text-only Llama (no image inputs).
+"""The teacher's answers as data: its prompts and answers (and, for a text-only Llama, windows of plain text) read
+from teacher-generate's shards, split into training and held-out answers, and batched for Mllama or a text-only
+Llama (no image inputs); what QAT trains on, what calibration reads and what eval scores.
 
 A sequence is the prompt's token ids followed by the teacher's response ids (its end-of-turn token
 included), cut to ``max_seq_len``; the loss mask marks the positions whose *next* token is a response
