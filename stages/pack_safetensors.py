@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from pathlib import Path
 
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
-from safetensors import safe_open
 
 from pipeline import formats, params
 from pipeline.checkpoint import CheckpointReader
@@ -31,7 +29,7 @@ from pipeline.io import atomic_dir, write_json
 from pipeline.models import dtype_of, load_config
 from pipeline.precision import Precision
 from pipeline.ptq import PackParams
-from pipeline.qat.engines import QAT_STATE
+from pipeline.qat.api import convert
 from pipeline.stage import console, progress, stage_errors, versions
 from pipeline.teacher_source import TeacherParams, local_dir
 
@@ -55,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         report = {}
         # a rotated teacher (teacher.rotate) is another basis of the same model: the packed file says which
         rotated = {"rotate": teacher.rotate, "rotate_seed": teacher.rotate_seed} if teacher.rotate != "none" else {}
-        trained = qat_state(f"models/qat/{fmt.name}", plan)
+        trained = convert(f"models/qat/{fmt.name}", plan)
         with atomic_dir(f"models/packed/{fmt.name}") as out:
             for method, source in (("direct-cast", teacher_dir), ("qat", f"models/qat/{fmt.name}")):
                 with progress() as bar:
@@ -92,29 +90,6 @@ def checked(encode, reader: CheckpointReader):
         return encode(name, weight, state)
 
     return encode_checked
-
-
-def qat_state(student_dir: str, plan: Precision):
-    """The encoder of the QAT student: the quantiser state (``P.table`` / ``P.codepoints``) and learned scales
-    (``P.scale``) of its ``qat_state.safetensors``; absmax scales where none were learned. Each weight in the
-    precision plan's format."""
-    fmt = plan.default
-    path = Path(student_dir) / QAT_STATE
-    if not path.exists():
-        raise ValueError(f"{path}: missing (a student trained before learned scales existed? re-run qat-train)")
-    with safe_open(str(path), "pt") as f:
-        saved = {k: f.get_tensor(k) for k in f.keys()}
-        trained_format = (f.metadata() or {}).get("format")
-    if trained_format != fmt.name:
-        raise ValueError(f"{path}: written for format {trained_format!r}, not {fmt.name!r}")
-
-    def encode(name, weight, state):
-        f = plan.format_of(name)
-        state = {k: saved.get(f"{name}.{k}", v) for k, v in state.items()} if f is fmt else {}
-        scale = saved.get(f"{name}.scale")
-        return f.pack(weight, state) if scale is None else f.pack_at_scale(weight, state, scale)
-
-    return encode
 
 
 if __name__ == "__main__":

@@ -145,3 +145,24 @@ def test_a_private_read_names_the_file_and_tensor_it_cannot_read(tmp_path):
     path.write_bytes(bytes(bad))
     with pytest.raises(ValueError, match=r"t\.safetensors"):
         CheckpointReader(path, private=True).get("b")
+
+
+def test_the_decode_step_reads_the_image_keys_and_values_where_the_cache_holds_them(files):
+    """The C decoder's cross-attention layers point at the prompt cache's K/V (float32, contiguous): no second copy
+    of the image's keys and values (0.4 GB at the 11B's four tiles) beside the cache."""
+    from pipeline import runtime
+    from pipeline.bench.vision import inputs
+    from pipeline.runtime_models import hf_mllama, mllama_step, read_header
+
+    path = files["s3d8"]
+    model = hf_mllama(path)
+    batch = inputs(runtime._processor_for(path, read_header(path)[1], None), (112, 112))
+    with torch.inference_mode():
+        out = model(**batch, use_cache=True, logits_to_keep=1)
+        step = mllama_step(model, out.past_key_values, batch["input_ids"].shape[-1] + 4, batch["cross_attention_mask"])
+    cross = [i for i, layer in enumerate(model.model.language_model.layers) if hasattr(layer, "cross_attn")]
+    held = {t.data_ptr() for t in step._keep}
+    for i in cross:
+        keys, values = out.past_key_values.layers[i].keys, out.past_key_values.layers[i].values
+        assert keys.dtype == torch.float32 and keys[0].is_contiguous()
+        assert keys[0].data_ptr() in held and values[0].data_ptr() in held

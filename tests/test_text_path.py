@@ -96,7 +96,7 @@ def test_qat_corpus_windows_distill_every_token_after_the_first(teacher_dir, tok
     from pipeline.params import load
     from pipeline.answers import text_examples
     from pipeline.qat.train import QATParams
-    from stages.qat_train import corpus_examples
+    from pipeline.qat.run import corpus_examples
 
     p = dataclasses.replace(load(QATParams, "qat", REPO / "params.yaml"), corpus_windows=3, max_seq_len=32)
     examples = corpus_examples(p, str(teacher_dir), 100)

@@ -1,0 +1,82 @@
+"""Stage qat-train's run (``stages/qat_train.py``): the training set (the teacher's answers but the held-out ones,
+and with ``qat.corpus_windows`` windows of the prose corpus' calibration half), the start (``qat.init: ptq``: stage
+direct-cast's cast), the fingerprint a checkpoint resumes under, then :func:`pipeline.qat.train.train`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline import params
+from pipeline.answers import load_examples, split_heldout, text_examples
+from pipeline.calibrate import CALIBRATION, Calibration
+from pipeline.chat import is_text_only, tokenizer_of
+from pipeline.direct_cast import INDEX, DirectCast
+from pipeline.eval.text import corpus_info, corpus_text, text_windows
+from pipeline.fit import check_states
+from pipeline.formats import FormatBase
+from pipeline.io import write_json
+from pipeline.models import load_config, load_processor, token_ids
+from pipeline.precision import Precision
+from pipeline.ptq import PackParams
+from pipeline.qat.train import QATParams, train
+from pipeline.shards import file_hash, fingerprint, shard_paths
+from pipeline.stage import run_log, set_threads
+from pipeline.teacher_source import TeacherParams, local_dir
+
+
+def run(fmt: FormatBase, params_path: str, teacher_data: str) -> None:
+    """Train ``fmt``'s student under the params file ``params_path``; rank 0 writes the summary."""
+    p = params.load(QATParams, "qat", params_path)
+    teacher = params.load(TeacherParams, "teacher", params_path)
+    heldout = params.read(params_path)["heldout_prompts"]
+    set_threads(p.threads)
+    state_file = Path(f"data/centroids/{fmt.name}.safetensors")
+    states = check_states(fmt, fmt.load_states(state_file), state_file)
+    vocab = token_ids(load_config(teacher.dir))
+    train_set, _ = split_heldout(load_examples(teacher_data, vocab), heldout)
+    corpus = corpus_examples(p, teacher.dir, len(train_set) + heldout)
+    train_set += corpus
+    # qat.init ptq starts from stage direct-cast's cast by pack.method; the table refit weighs input channels
+    # by the calibration's diagonal when there is one
+    pack = params.load(PackParams, "pack", params_path)
+    method, plan = pack.method, Precision(fmt, pack.precision)
+    cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, method) if p.init == "ptq" else None
+    calibration = Calibration(CALIBRATION if p.refit_table and Path(CALIBRATION).exists() else None)
+
+    def importance(name):
+        h = calibration.get(name)
+        return None if h is None else h.diagonal().contiguous()
+
+    # the thread count stays in: it sets the reduction order, so a checkpoint resumes on the count it was made on
+    fp = fingerprint(asdict(p) | {"checkpoint_every": None}, fmt.name, plan.rules or None, file_hash(state_file),
+                     [file_hash(s) for s in shard_paths(teacher_data)], heldout,
+                     file_hash(local_dir(teacher.dir) / "config.json"),
+                     file_hash(cast.path / INDEX) if cast is not None else None,
+                     corpus_info("rest")["sha256"] if corpus else None)
+    began = time.perf_counter()
+    summary = train(fmt, states, teacher.dir, teacher.dtype, train_set, p,
+                    out_dir=f"models/qat/{fmt.name}", checkpoint=f"checkpoints/qat/{fmt.name}.safetensors",
+                    live_dir=f"reports/qat/{fmt.name}", fingerprint=fp, start=cast.start if cast else None,
+                    importance=importance, plan=plan)
+    if summary:
+        write_json(f"reports/qat/{fmt.name}/summary.json", summary)
+        run_log(f"qat-train-{fmt.name}", seconds=round(time.perf_counter() - began, 1), steps=p.steps)
+
+
+def corpus_examples(p: QATParams, teacher_dir: str, first_index: int) -> list:
+    """``qat.corpus_windows`` windows of the prose corpus' calibration half, for a text-only teacher."""
+    if not p.corpus_windows:
+        return []
+    processor = load_processor(teacher_dir)
+    if not is_text_only(processor):
+        raise ValueError(f"parameter qat.corpus_windows={p.corpus_windows}: needs a text-only teacher (every "
+                         f"sequence of an image-text teacher's batch carries an image); set it to 0")
+    windows = text_windows(corpus_text("rest"), tokenizer_of(processor), p.corpus_windows, p.max_seq_len,
+                           "qat.corpus_windows")
+    if len(windows) < p.corpus_windows:
+        raise ValueError(f"parameter qat.corpus_windows={p.corpus_windows}: the corpus' calibration half holds "
+                         f"{len(windows)} windows of {p.max_seq_len} tokens")
+    return text_examples(windows, first_index)
+
