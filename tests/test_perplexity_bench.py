@@ -1,5 +1,5 @@
-"""``pipeline.bench.perplexity``: our packed models (and, with ``llama_cpp`` installed, a GGUF) against the teacher
-on a text file of the user's choice."""
+"""``pipeline.bench.perplexity``: our packed models (and, with ``llama_cpp`` installed, a GGUF) beside the teacher on
+a text file of the user's choice."""
 
 from __future__ import annotations
 
@@ -58,9 +58,8 @@ def test_packed_and_gguf_rows_against_the_teacher_on_a_text(teacher, bf16_gguf, 
     assert res["text"]["windows"] == len(windows) == 3 and res["text"]["predicted_tokens"] == n
     assert res["teacher"]["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-5)
     ours = res["rows"][0]
-    assert ours["name"] == "ours s3d8 direct-cast" and ours["kl"] > 0 and math.isfinite(ours["perplexity"])
-    if ggufs:                                   # the bf16 GGUF is the teacher: KL ~ 0, the same perplexity
-        assert res["rows"][1]["kl"] < 1e-2
+    assert ours["name"] == "ours s3d8 direct-cast" and math.isfinite(ours["perplexity"]) and ours["x_teacher"] != 1
+    if ggufs:                                   # the bf16 GGUF is the teacher: the same perplexity
         assert res["rows"][1]["x_teacher"] == pytest.approx(1, abs=0.02)
     md = (tmp_path / "out.md").read_text()
     assert "| ours s3d8 direct-cast |" in md and str(text) in md

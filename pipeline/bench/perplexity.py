@@ -1,5 +1,5 @@
-"""Perplexity and KL on a text of the user's choice (llama-perplexity's ``-f``): the teacher, our packed models and
-llama.cpp's GGUF files of the same teacher, each against the teacher on the same windows.
+"""Perplexity on a text of the user's choice (llama-perplexity's ``-f``): the teacher, our packed models and
+llama.cpp's GGUF files of the same teacher, on the same windows.
 
     python -m pipeline.bench.perplexity --text /usr/share/common-licenses/GPL-3 --packed models/packed \\
         --gguf 'models/real_model/*.gguf' --out reports/smollm2-135m/independent_text
@@ -7,8 +7,9 @@ llama.cpp's GGUF files of the same teacher, each against the teacher on the same
 The check of ``pipeline.bench.real_model`` on a text nothing was calibrated or trained on: that report's perplexity
 reads the held-out half of the project's corpus (Python Language Reference prose), whose other half calibrates the
 direct cast and trains QAT. Our models load as the eval stage loads them (torch kernels, INT8 activations); a
-GGUF through llama-cpp-python (its logits of every position). KL(teacher || model) per predicted token and the
-perplexity over every position of the first ``--tokens`` tokens of the text, in windows of ``--window`` tokens.
+GGUF through llama-cpp-python (its logits of every position); each model in a process of its own (llama.cpp and a
+torch model in one process crash). The perplexity over every position of the first ``--tokens`` tokens of the text,
+in windows of ``--window`` tokens (KL against the teacher is ``pipeline.bench.real_model``'s, on its answers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import math
 import sys
 from pathlib import Path
 
@@ -26,12 +28,11 @@ from pipeline.io import write_json, write_text
 
 def measure(text_path: Path, teacher_dir: Path, packed_root: str, ggufs: list[str], tokens: int, window: int,
             threads: int) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.bench import machine
-    from pipeline.bench.llama_cpp_files import llama_cpp_logits_fn
-    from pipeline.bench.real_model import packed_logits_fn, packed_models
-    from pipeline.eval.text import compare_on_windows, hf_logits_fn, text_windows
+    from pipeline.bench.real_model import packed_models
+    from pipeline.eval.text import hf_logits_fn, text_windows
     from pipeline.stage import console, progress
 
     raw = text_path.read_bytes()
@@ -41,28 +42,24 @@ def measure(text_path: Path, teacher_dir: Path, packed_root: str, ggufs: list[st
         raise ValueError(f"{text_path}: not UTF-8 text ({e})") from None
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
     windows = text_windows(body, tokenizer, -(-tokens // window), window, f"--text {text_path}")
+    config = AutoConfig.from_pretrained(str(teacher_dir))
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.bfloat16).eval()
-    reference = hf_logits_fn(teacher)
-    models = packed_models(packed_root, teacher.config)[0] if packed_root else []
+    r = _nll(hf_logits_fn(teacher), windows)
+    teacher_ppl, tokens = math.exp(r["nll"] / r["tokens"]), r["tokens"]
+    del teacher
+    models = packed_models(packed_root, config)[0] if packed_root else []
     models += [{"name": f"llama.cpp {Path(p).stem}", "impl": "llama.cpp", "path": p} for p in ggufs]
-    rows, tokens, teacher_ppl = [], 0, None
+    rows = []
     console.print(f"perplexity on {text_path} ({len(windows)} windows): {len(models)} models against {teacher_dir}")
     with progress() as bar:
         task = bar.add_task("models", total=len(models))
         for m in models:
-            if m["impl"] == "ours":
-                fn, handle = packed_logits_fn(m["path"])
-            else:
-                fn, handle = llama_cpp_logits_fn(m["path"], window + 8, threads)
-            r = compare_on_windows(reference, fn, windows)
-            if m["impl"] != "ours":
-                handle.close()
-            del handle
+            r = _in_child({"impl": m["impl"], "path": m["path"], "windows": windows, "threads": threads})
+            ppl = math.exp(r["nll"] / r["tokens"])
             rows.append({"name": m["name"], "impl": m["impl"], "path": m["path"],
-                         "file_mb": Path(m["path"]).stat().st_size / 1e6, "kl": r["kl"], "perplexity": r["perplexity"],
-                         "x_teacher": r["perplexity"] / r["teacher_perplexity"]})
-            tokens, teacher_ppl = r["tokens"], r["teacher_perplexity"]
-            console.print(f"{m['name']}: KL {r['kl']:.4f}, perplexity {r['perplexity']:.3f}")
+                         "file_mb": Path(m["path"]).stat().st_size / 1e6, "perplexity": ppl,
+                         "x_teacher": ppl / teacher_ppl})
+            console.print(f"{m['name']}: perplexity {ppl:.3f}")
             bar.advance(task)
     return {"text": {"path": str(text_path), "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw),
                      "windows": len(windows), "window": window, "predicted_tokens": tokens},
@@ -70,16 +67,55 @@ def measure(text_path: Path, teacher_dir: Path, packed_root: str, ggufs: list[st
             "machine": machine.describe(), "threads": threads, "rows": rows}
 
 
+def _in_child(spec: dict) -> dict:
+    """:func:`child` in a fresh interpreter (llama.cpp and torch's kernels do not share one process safely:
+    ``pipeline.bench.real_model`` measures each model apart for the same reason); an error names the model."""
+    import json
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-m", "pipeline.bench.perplexity", "--child", json.dumps(spec)],
+                       capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        from pipeline.bench.real_model import _failure
+
+        raise RuntimeError(f"{spec['path']}: {_failure(p)}")
+    return json.loads(lines[-1])
+
+
+def child(spec: dict) -> dict:
+    """One model's ``{"nll", "tokens"}`` on the windows (each position's negative log-likelihood of the next token)."""
+    torch.set_num_threads(spec["threads"])
+    windows = spec["windows"]
+    if spec["impl"] == "ours":
+        from pipeline.bench.real_model import packed_logits_fn
+
+        fn, _ = packed_logits_fn(spec["path"])
+    else:
+        from pipeline.bench.llama_cpp_files import llama_cpp_logits_fn
+
+        fn, _ = llama_cpp_logits_fn(spec["path"], max(map(len, windows)) + 8, spec["threads"])
+    return _nll(fn, windows)
+
+
+def _nll(fn, windows: list[list[int]]) -> dict:
+    nll = tokens = 0
+    for ids in windows:
+        logp = torch.log_softmax(fn(ids)[:-1].float(), -1)
+        nll -= logp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+        tokens += len(ids) - 1
+    return {"nll": nll, "tokens": tokens}
+
+
 def verdicts(res: dict) -> list[str]:
-    """Each of our models beside each llama.cpp file: lower perplexity and KL at a smaller file?"""
+    """Each of our models beside each llama.cpp file: lower perplexity at a smaller file?"""
     ours = [r for r in res["rows"] if r["impl"] == "ours"]
     theirs = [r for r in res["rows"] if r["impl"] != "ours"]
     out = []
     for o in ours:
-        beaten = [t["name"] for t in theirs if o["kl"] < t["kl"] and o["perplexity"] < t["perplexity"]
-                  and o["file_mb"] < t["file_mb"]]
+        beaten = [t["name"] for t in theirs if o["perplexity"] < t["perplexity"] and o["file_mb"] < t["file_mb"]]
         out.append(f"{o['name']} ({o['x_teacher']:.2f}x the teacher): below {len(beaten)} of {len(theirs)} "
-                   f"llama.cpp files on perplexity and KL at a smaller file"
+                   f"llama.cpp files on perplexity at a smaller file"
                    + (f" ({', '.join(beaten)})" if beaten else ""))
     return out
 
@@ -91,11 +127,11 @@ def report_md(res: dict, command: str) -> str:
     lines = [f"# Perplexity on a text nothing was calibrated or trained on: `{t['path']}`", "", f"`{command}`", "",
              f"Text: {t['bytes']} bytes (sha256 {t['sha256'][:16]}...), {t['windows']} windows of <= {t['window']} "
              f"tokens, {t['predicted_tokens']} predicted tokens. Teacher (`{res['teacher']['dir']}`, bf16) perplexity "
-             f"{res['teacher']['perplexity']:.3f}; KL (teacher || model) per predicted token.", "",
+             f"{res['teacher']['perplexity']:.3f}.", "",
              f"Machine: {machine.line(res['machine'])}; {res['threads']} threads.", "",
-             "| model | file MB | KL | perplexity | x teacher |", "| --- | --- | --- | --- | --- |"]
+             "| model | file MB | perplexity | x teacher |", "| --- | --- | --- | --- |"]
     for r in res["rows"]:
-        lines.append(f"| {r['name']} | {r['file_mb']:.1f} | {r['kl']:.4f} | {r['perplexity']:.3f} | "
+        lines.append(f"| {r['name']} | {r['file_mb']:.1f} | {r['perplexity']:.3f} | "
                      f"{r['x_teacher']:.2f} |")
     return "\n".join(lines + ["", *[f"- {v}" for v in verdicts(res)]]) + "\n"
 
@@ -103,6 +139,11 @@ def report_md(res: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from pipeline.bench.real_model import _defaults
 
+    if argv is None and sys.argv[1:2] == ["--child"]:
+        import json
+
+        print(json.dumps(child(json.loads(sys.argv[2]))), flush=True)
+        return 0
     d = _defaults()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", required=True, help="a UTF-8 text file (e.g. /usr/share/common-licenses/GPL-3)")
