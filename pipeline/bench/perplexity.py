@@ -107,11 +107,9 @@ def child(spec: dict) -> dict:
 
 
 def _nll(fn, windows: list[list[int]]) -> dict:
-    nll = tokens = 0
-    for ids in windows:
-        logp = torch.log_softmax(fn(ids)[:-1].float(), -1)
-        nll -= logp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
-        tokens += len(ids) - 1
+    from pipeline.eval.text import window_nll
+
+    nll, tokens = window_nll(fn, windows)
     return {"nll": nll, "tokens": tokens}
 
 

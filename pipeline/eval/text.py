@@ -150,14 +150,21 @@ class TextReference:
             kl += kl_sum(student, teacher).item()
             agree += (student.argmax(-1) == teacher.argmax(-1)).sum().item()
             tokens += student.shape[0]
-        nll = predicted = 0.0
-        for ids in self.windows:
-            logp = torch.log_softmax(logits_fn(ids)[:-1].float(), -1)
-            nll -= logp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
-            predicted += len(ids) - 1
+        nll, predicted = window_nll(logits_fn, self.windows)
         return {"kl": kl / tokens, "top1_agreement": agree / tokens,
                 "perplexity": math.exp(nll / predicted) if predicted else float("nan"),
                 "kl_tokens": int(tokens), "perplexity_tokens": int(predicted)}
+
+
+def window_nll(logits_fn: LogitsFn, windows: list[list[int]]) -> tuple[float, int]:
+    """``(summed negative log-likelihood, predicted tokens)`` of a model on text windows: every position that predicts
+    a token; the perplexity is ``exp(nll / tokens)``."""
+    nll, predicted = 0.0, 0
+    for ids in windows:
+        logp = torch.log_softmax(logits_fn(ids)[:-1].float(), -1)
+        nll -= logp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+        predicted += len(ids) - 1
+    return nll, predicted
 
 
 def compare_on_windows(teacher: LogitsFn, student: LogitsFn, windows: list[list[int]]) -> dict:
