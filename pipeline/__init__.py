@@ -1,6 +1,6 @@
 """S3D8 pipeline: formats, quantised modules, data, models, evaluation, packed-file IO, native bindings.
 
-Importing ``pipeline`` registers the packed formats with transformers (``pipeline/hf.py``), so that
+Importing ``pipeline`` registers the packed formats with transformers (``pipeline/hf/quantizer.py``), so that
 ``AutoModelForImageTextToText.from_pretrained`` (``AutoModelForCausalLM`` for a text-only Llama) loads a packed
 model directory with its weights kept packed, ``save_pretrained`` writes it back, and a checkpoint of packed
 tensors without their quantization config is refused rather than loaded as random weights. The registration runs when
@@ -8,18 +8,17 @@ transformers itself is imported (at once if it already is), so that ``import pip
 tools that never load a model.
 """
 
-import importlib
 import importlib.abc
 import importlib.util
 import sys
+
+from pipeline import moved
 
 __version__ = "0.1.0"
 
 
 def _register_with_transformers() -> None:
-    # importlib, not an import statement: the registration changes no stage's result, so it stays out of the
-    # DVC dependency graph that pipeline/depgraph.py reads from import statements.
-    importlib.import_module("pipeline.hf")          # registers itself at the end of its import
+    from pipeline.hf import quantizer  # noqa: F401  (registers itself at the end of its import)
 
 
 class _AfterTransformersImport(importlib.abc.MetaPathFinder):
@@ -46,3 +45,4 @@ if "transformers" in sys.modules:
     _register_with_transformers()
 elif not any(isinstance(f, _AfterTransformersImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _AfterTransformersImport())
+moved.install()

@@ -4,7 +4,7 @@
     s3d8 eval PACKED [--tasks toy-vqa ...] [--n 16]               # score a packed model on the (toy) tasks
     s3d8 export-sqt PACKED OUT.sqt [--tokenizer DIR]              # the reference engine's .sqt v3 file
     s3d8 bench [--shape 1,4096,4096] [--threads 1]                # S3D8 vs BF16 matmul on the native kernels
-    s3d8 generate PACKED --prompt TEXT [--image PATH] ...         # pipeline.runtime's generation
+    s3d8 generate PACKED --prompt TEXT [--image PATH] ...         # pipeline.runtime.generation's generation
 
 ``OUT`` of ``pack``: a ``.safetensors`` file, or a directory: the Hugging Face directory pack-safetensors writes
 (config.json with its quantization_config, processor, generation config, model card). ``PACKED``: a packed file or such a directory. ``--threads`` means the
@@ -35,8 +35,8 @@ def _packed_file(path: str) -> Path:
 def _model_dir(path: str, tokenizer: str | None) -> str:
     """The directory with the tokenizer / processor for a packed model (``--tokenizer``, the model directory,
     or the packed file's source model)."""
-    from pipeline.checkpoint import CheckpointReader
-    from pipeline.sqt_blocks import tokenizer_dir
+    from pipeline.packed.checkpoint import CheckpointReader
+    from pipeline.sqt.blocks import tokenizer_dir
 
     file = _packed_file(path)
     directory = Path(path) if Path(path).is_dir() else None
@@ -50,7 +50,7 @@ def cmd_pack(args) -> int:
 
 def pack_model(args) -> dict:
     """``s3d8 pack``'s work: the packed model written, its one-line summary and held-out comparison printed;
-    returns ``{"summary", "held_out", "seconds", "plan"}`` (``benchmarks/ptq_ablation.py`` records it)."""
+    returns ``{"summary", "held_out", "seconds", "plan"}`` (``pipeline/bench/ptq_ablation.py`` records it)."""
     import tempfile
 
     import torch
@@ -58,10 +58,10 @@ def pack_model(args) -> dict:
     from pipeline import direct_cast, formats
     from pipeline.eval.text import text_windows
     from pipeline.chat import tokenizer_of
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.io import atomic_dir
     from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names
-    from pipeline.packed import write_packed
+    from pipeline.packed.file import write_packed
     from pipeline.precision import Precision, parse_rules
     from pipeline.rotate import rotate_llama
     from pipeline.stage import progress
@@ -113,7 +113,7 @@ def pack_model(args) -> dict:
                 "calibration": what, "windows": len(inputs), "window": args.window},
             **({"rotate": args.rotate, "rotate_seed": args.seed} if args.rotate != "none" else {})}
         if as_dir:      # the Hugging Face directory pack-safetensors writes (config, processor, card), atomically
-            from pipeline.hf_write import write_model_dir
+            from pipeline.hf.write import write_model_dir
 
             name = args.model.rstrip("/").rpartition("/")[2]
             with atomic_dir(out) as tmp_out:
@@ -154,7 +154,7 @@ def _held_out_line(source: Path, out: Path, tokenizer, tokens: int, window: int)
 
     from pipeline.eval.text import CORPUS, compare_on_windows, corpus_windows, hf_logits_fn
     from pipeline.models import load_model
-    from pipeline.packed import load_packed_model
+    from pipeline.packed.file import load_packed_model
 
     r = compare_on_windows(hf_logits_fn(load_model(str(source), torch.float32)),
                            hf_logits_fn(load_packed_model(_packed_file(str(out)))),
@@ -191,8 +191,8 @@ def cmd_eval(args) -> int:
     import pipeline.toy.tasks  # noqa: F401  (registers the toy tasks)
     from pipeline.eval.runner import evaluate
     from pipeline.models import load_processor
-    from pipeline.packed import load_packed_model
-    from pipeline.runtime import check_threads
+    from pipeline.packed.file import load_packed_model
+    from pipeline.runtime.generation import check_threads
 
     for flag, value in (("--n", args.n), ("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
@@ -213,7 +213,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export_sqt(args) -> int:
-    from pipeline import sqt
+    from pipeline.sqt import write as sqt
 
     return sqt.main(["export", args.model, args.out, *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
                      "--alignment", str(args.alignment)])
@@ -224,7 +224,7 @@ def cmd_bench(args) -> int:
 
     from pipeline import native
     from pipeline.formats import s3d8
-    from pipeline.runtime import check_threads
+    from pipeline.runtime.generation import check_threads
 
     threads = check_threads(args.threads)
     if not args.seconds >= 0:
@@ -261,13 +261,13 @@ def cmd_bench(args) -> int:
 def cmd_generate(args, rest: list[str]) -> int:
     """``python -m pipeline.runtime`` under the name ``s3d8 generate`` (its own options, help and errors)."""
     try:
-        from pipeline import runtime
+        from pipeline.runtime import generation as runtime
     except ImportError as e:
-        print(f"error: s3d8 generate needs pipeline.runtime, which this installation lacks ({e}); "
+        print(f"error: s3d8 generate needs pipeline.runtime.generation, which this installation lacks ({e}); "
               f"update the package", file=sys.stderr)
         return 1
     if not hasattr(runtime, "main"):
-        print("error: pipeline.runtime has no command-line entry point (main) in this version", file=sys.stderr)
+        print("error: pipeline.runtime.generation has no command-line entry point (main) in this version", file=sys.stderr)
         return 1
     return int(runtime.main(rest, prog="s3d8 generate") or 0)
 
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("generate", add_help=False,
-                       help="generate with pipeline.runtime (`s3d8 generate --help` for its options)")
+                       help="generate with pipeline.runtime.generation (`s3d8 generate --help` for its options)")
     p.set_defaults(func=None)
     p = sub.add_parser("serve", add_help=False,
                        help="serve a packed model behind an OpenAI-compatible HTTP API (`s3d8 serve --help`)")

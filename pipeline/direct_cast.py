@@ -31,7 +31,7 @@ from safetensors import safe_open
 from pipeline import formats, ptq, sequential
 from pipeline.formats import FormatBase
 from pipeline.precision import Precision
-from pipeline.safetensors_io import write_tensors
+from pipeline.packed.safetensors_io import write_tensors
 from pipeline.filehash import cached_file_hash, file_hash, file_sha256, fingerprint
 from pipeline.io import atomic_path
 
@@ -42,7 +42,7 @@ REST = "rest"
 def code_files() -> list[Path]:
     """The source whose code decides a cast's bytes: this module, the methods, the formats and the native kernels."""
     pipeline, native = Path(__file__).parent, Path(__file__).parent.parent / "native"
-    modules = ("direct_cast", "ptq", "sequential", "precision", "quant", "layout", "native", "cpu_numerics")
+    modules = ("direct_cast", "ptq", "sequential", "precision", "quant", "packed/layout", "native", "cpu_numerics")
     return ([pipeline / f"{m}.py" for m in modules] + sorted((pipeline / "formats").glob("*.py"))
             + sorted(native.glob("*.[ch]")))
 

@@ -16,7 +16,7 @@ import torch
 from pipeline import ranks
 from pipeline.answers import model_inputs
 from pipeline.calibrate import CALIBRATION, Calibration, calibration_fingerprint, calibration_inputs
-from pipeline.checkpoint import CheckpointReader
+from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.direct_cast import (cast_fingerprint, cast_group, cast_in_order, deal, finished, gptq_cost, group_of,
                                   write_index)
 from pipeline.filehash import file_hash

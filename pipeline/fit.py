@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.checkpoint import CheckpointReader
+from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.formats import FormatBase, State
 from pipeline.models import load_config, meta_model, quantised_weight_names
 from pipeline.params import non_negative

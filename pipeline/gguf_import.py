@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.safetensors_io import StreamingWriter
+from pipeline.packed.safetensors_io import StreamingWriter
 from pipeline.teacher_source import SourceError
 
 

@@ -16,7 +16,7 @@ written). :func:`check_disk` adds them up in ``dvc repro``'s order against the f
 DVC's cache (:func:`disk_available`), and names the first phase that does not fit.
 
 The terms are estimates from parameter counts on the ``meta`` device (:func:`count_params`); the 11B-shaped
-skeleton (``benchmarks/skeleton_11b.py``) measures the same phases on CPU and reports each next to its prediction
+skeleton (``pipeline/bench/skeleton_11b.py``) measures the same phases on CPU and reports each next to its prediction
 (``reports/skeleton_11b.md``).
 """
 
@@ -164,7 +164,7 @@ def step_host(counts: dict, file_bytes: float | None = None) -> dict:
     P, Q, big = counts["total"], counts["quantised"], counts["largest_matrix"]
     other = P - Q
     packed = file_bytes if file_bytes is not None else Q / 3 + 2 * other
-    # a tensor read maps its bf16 pages (2 bytes a weight) for as long as it lives (pipeline.checkpoint)
+    # a tensor read maps its bf16 pages (2 bytes a weight) for as long as it lives (pipeline.packed.checkpoint)
     return {"fit": big * 3 * 4,                  # the fp32 matrix (its pages go with the bf16 tensor), its squared
             #                                      error, the error's rows without the all-zero ones (a padding row)
             "pack": big * (2 + 4 + 1 / 3),       # its pages, the fp32 copy the encoder reads, the packed bytes

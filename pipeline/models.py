@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.checkpoint import module_to_checkpoint_names
+from pipeline.packed.checkpoint import module_to_checkpoint_names
 from pipeline.recipe import quantised_modules
 from pipeline.teacher_source import local_dir
 
@@ -77,7 +77,7 @@ def meta_model(config, dtype: torch.dtype | None = None):
 
 
 def checkpoint_names(model) -> dict[str, str]:
-    """:func:`pipeline.checkpoint.module_to_checkpoint_names`, with each tied parameter (transformers'
+    """:func:`pipeline.packed.checkpoint.module_to_checkpoint_names`, with each tied parameter (transformers'
     ``all_tied_weights_keys``: ``lm_head.weight`` -> ``model.embed_tokens.weight`` under ``tie_word_embeddings``)
     given the checkpoint name of the parameter it is tied to: the one a checkpoint holds."""
     names = module_to_checkpoint_names(model)

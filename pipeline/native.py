@@ -58,7 +58,7 @@ import time
 
 import torch
 
-from pipeline.layout import GROUP, TABLE_SHAPE, packed_shape
+from pipeline.packed.layout import GROUP, TABLE_SHAPE, packed_shape
 
 try:
     from pipeline._s3d8_native import ffi, lib
@@ -165,7 +165,7 @@ def _variant_index(name: str | None) -> int:
 
 def call_settings() -> tuple[int, int]:
     """``(variant index, threads)`` the kernels run with now (``S3D8_VARIANT``, torch's thread count): what a caller
-    of the library's other entry points (the C decoder, :mod:`pipeline.decode_step`) passes to them."""
+    of the library's other entry points (the C decoder, :mod:`pipeline.runtime.decode_step`) passes to them."""
     return _variant_index(None), _threads(None)
 
 

@@ -167,7 +167,7 @@ SECTIONS: dict[str, str] = {
     "heldout_prompts": "pipeline.answers:check_heldout",
     "fit": "pipeline.fit:FitParams",
     "sample": "pipeline.sample:SampleParams",
-    "generate": "pipeline.generate:GenerateParams",
+    "generate": "pipeline.teacher_generate:GenerateParams",
     "calibrate": "pipeline.calibrate:CalibrateParams",
     "qat": "pipeline.qat.train:QATParams",
     "pack": "pipeline.ptq:PackParams",

@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 from pipeline import formats as formats_registry
-from pipeline import gguf_import, layout
+from pipeline import gguf_import
+from pipeline.packed import layout
 from pipeline.formats import FormatBase
-from pipeline.safetensors_io import StreamingWriter
+from pipeline.packed.safetensors_io import StreamingWriter
 
 BLOCK_ELEMS = 1 << 25          # weights generated at a time (128 MiB of float32)
 STUDENT_DF = 5.0

@@ -4,7 +4,7 @@ the untied ``lm_head``), seeded trained-looking weights (:class:`pipeline.synthe
 row and column scales) written straight into packed files, for speed and memory measured at the real shape.
 
 Each file is a packed model as pack-safetensors writes it (SPEC section 7: ``format``, ``layout``, ``shapes``, the
-precision plan's ``formats``, the Mllama ``config``), so ``pipeline.runtime`` and ``load_packed_model`` run it like
+precision plan's ``formats``, the Mllama ``config``), so ``pipeline.runtime.generation`` and ``load_packed_model`` run it like
 any other: ``s3d8.safetensors`` under the default precision plan (every Linear S3D8, the token embedding INT8),
 ``int8.safetensors`` (every quantised weight INT8, the baseline). The weights that are not quantised (norms, biases,
 gates, the vision tower's patch and position embeddings) are stored in bf16, as pack-safetensors stores them. Writing streams
@@ -27,7 +27,7 @@ import torch
 from pipeline import formats as registry
 from pipeline.mllama_shape import Size, build_processor, skeleton_config
 from pipeline.precision import KEEP, Precision
-from pipeline.safetensors_io import StreamingWriter
+from pipeline.packed.safetensors_io import StreamingWriter
 from pipeline.synthetic import BASE_STD, COL_SIGMA, DEFAULT_DIR, ROW_SIGMA, STUDENT_DF, _Synth, _WeightWriter, stream_blocks
 
 PRESETS = {

@@ -42,8 +42,8 @@ def _convert_hf_dir(src: Path, out: Path) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.checkpoint import CheckpointReader
-    from pipeline.safetensors_io import StreamingWriter
+    from pipeline.packed.checkpoint import CheckpointReader
+    from pipeline.packed.safetensors_io import StreamingWriter
 
     config = AutoConfig.from_pretrained(str(src))
     check_supported(config, str(src))

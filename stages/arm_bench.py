@@ -25,19 +25,19 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import argparse  # noqa: E402
-import importlib
 import json
+import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from pipeline import params
 from pipeline.bench import BenchParams
-from pipeline.bench.kernels import metrics, run
-from pipeline.bench.report import chart, markdown
-from pipeline.io import write_json, write_text
-from pipeline.stage import console, run_log, stage_errors, versions
+from pipeline.bench.kernels import run
+from pipeline.bench.kernels_report import write_reports
+from pipeline.io import write_json
+from pipeline.stage import console, run_log, stage_errors
 
 GENERATE_KEYS = ("model", "format", "impl", "threads", "prompt_tokens", "new_tokens", "prefill_tokens_per_s",
                  "decode_tokens_per_s", "weight_bytes", "peak_rss_mb")
@@ -47,20 +47,21 @@ GENERATE_ONLY = ("models", "formats", "impls", "prompt_tokens", "new_tokens")
 
 
 def generate_records(args: argparse.Namespace) -> list[dict]:
-    """Run ``pipeline.bench.generate.main`` (its report goes to a scratch directory) and return its records cut
-    to ``GENERATE_KEYS``; a failed row raises ``ValueError``."""
-    # Imported by name, not with an import statement: the DVC stage (``python stages/arm_bench.py``) never
-    # passes --generate, so generate.py and the runtime it loads are not deps of that stage (pipeline.depgraph
-    # reads import statements only).
-    bench = importlib.import_module("pipeline.bench.generate")
+    """Run ``python -m pipeline.bench.generate`` (a child process, its report in a scratch directory) and return its
+    records cut to ``GENERATE_KEYS``; a failed row raises ``ValueError``. A child, not an import: the DVC stage never
+    passes --generate, so the runtime is not among its deps."""
     argv = ["--models", args.models]
     for flag, value in (("--threads", args.threads), ("--formats", args.formats), ("--impls", args.impls),
                         ("--prompt-tokens", args.prompt_tokens), ("--new-tokens", args.new_tokens)):
         if value is not None:
             argv += [flag, str(value)]
     with tempfile.TemporaryDirectory(prefix="arm-bench-generate-") as scratch:
-        bench.main([*argv, "--out", scratch])
-        data = json.loads((Path(scratch) / "bench_generate.json").read_text())
+        proc = subprocess.run([sys.executable, "-m", "pipeline.bench.generate", *argv, "--out", scratch],
+                              stdout=sys.stderr)
+        result = Path(scratch) / "bench_generate.json"
+        if proc.returncode or not result.is_file():
+            raise ValueError(f"python -m pipeline.bench.generate {' '.join(argv)} failed (exit {proc.returncode})")
+        data = json.loads(result.read_text())
     failed = [r for r in data["records"] if "error" in r]
     if failed:
         raise ValueError("; ".join(f"{r['model']} {r['format']} {r['impl']} {r['threads']}t: {r['error']}"
@@ -122,12 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             out = out / "bench.json"
         began = time.perf_counter()
         records, machine = run(p, log=lambda line: console.print(line, markup=False, soft_wrap=True))
-        result = metrics(records)
-        write_json(out, result)
-        write_json(out.with_name(f"{out.stem}_machine.json"),
-                   {"stage": "arm-bench", "machine": machine, "params": asdict(p), **versions()})
-        write_text(out.with_suffix(".md"), markdown(records, result["summary"], machine, p))
-        chart(records, out.with_suffix(".png"))
+        write_reports(out, records, machine, p)
         run_log("arm-bench", seconds=round(time.perf_counter() - began, 1))
 
 

@@ -20,15 +20,12 @@ import argparse
 import time
 
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
-import pyarrow.parquet as pq
 
 import pipeline.toy  # noqa: F401  (registers the toy tasks and image pool)
 from pipeline import params
 from pipeline.eval.suite import EvalParams, run
-from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.eval.report import write_reports
 from pipeline.processes import run_stage
-from pipeline.eval.text import corpus_info
-from pipeline.report import plot_scores, scores_csv, summary_markdown, text_scores_csv, text_summary_markdown
 from pipeline.stage import console, run_log, set_threads, stage_errors
 from pipeline.teacher_source import TeacherParams
 
@@ -48,22 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         if out is None:                                   # another rank writes the results
             return
         result, baselines, answers = out
-        with atomic_dir("reports/answers") as out:
-            for name, table in answers.items():
-                pq.write_table(table, out / f"{name}.parquet")
-        write_json("reports/eval.json", result)
-        write_json("reports/eval_baselines.json", {"blind": baselines})
-        if any("perplexity" in m for m in result["models"].values()):      # a text-only teacher
-            samples = {name: (t.column("prompt")[0].as_py(), t.column("response")[0].as_py())
-                       for name, t in answers.items()}
-            write_text("reports/eval_scores.csv", text_scores_csv(result))
-            write_text("reports/summary.md", text_summary_markdown(result, teacher.name, corpus_info(), samples))
-            plot_scores(result, "reports/eval_plot.png", key="top1_agreement",
-                        ylabel="top-1 agreement with the teacher", title="Top-1 agreement: direct cast vs QAT")
-        else:
-            write_text("reports/eval_scores.csv", scores_csv(result, p.tasks))
-            write_text("reports/summary.md", summary_markdown(result, p.tasks, baselines, teacher.name))
-            plot_scores(result, "reports/eval_plot.png")
+        write_reports(result, baselines, answers, p.tasks, teacher.name)
         run_log("eval", seconds=round(time.perf_counter() - began, 1))
         console.print("[green]eval[/] wrote reports/eval.json, reports/summary.md, reports/eval_plot.png")
 

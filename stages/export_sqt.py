@@ -17,9 +17,9 @@ import os
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline.io import atomic_dir
 from pipeline.recipe import STUDENTS
-from pipeline.sqt import export
-from pipeline.sqt_blocks import SqtUnsupported
-from pipeline.sqt_read import read_sqt, summary
+from pipeline.sqt.write import export
+from pipeline.sqt.blocks import SqtUnsupported
+from pipeline.sqt.read import read_sqt, summary
 from pipeline.stage import console, stage_errors
 
 

@@ -20,7 +20,7 @@ from pipeline.io import atomic_open, write_json
 from pipeline.stage import console, run_log, set_threads, stage_errors, versions
 from pipeline.toy.model import count_parameters
 from pipeline.toy.settings import ToyTeacherParams
-from pipeline.toy.teacher import save_teacher, train_teacher
+from pipeline.toy.build import save_teacher, train_teacher
 
 REPORTS = Path("reports/toy_teacher")
 

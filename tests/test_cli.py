@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import cli, runtime
+from pipeline import cli
 
+
+from pipeline.runtime import generation as runtime
 REPO = Path(__file__).resolve().parents[1]
 TOY_TEACHER = REPO / "data" / "toy-teacher"
 
@@ -24,9 +26,9 @@ def toy_packed(tmp_path_factory):
     """The toy teacher (data/toy-teacher) packed in S3D8 as pack-safetensors lays it out. One centroid table
     fitted on a small sample serves every weight: a fit per weight takes half a minute here."""
     from pipeline import formats
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.formats.s3d8 import fit_centroids
-    from pipeline.hf_write import write_model_dir
+    from pipeline.hf.write import write_model_dir
     from pipeline.models import load_config, meta_model, quantised_weight_names
 
     reader = CheckpointReader(TOY_TEACHER)
@@ -61,7 +63,7 @@ def hf_reference(model_dir: Path, prompt: str, image: Path | None, max_new_token
     from PIL import Image
 
     from pipeline.chat import chat_prompt
-    from pipeline.runtime import eos_ids
+    from pipeline.runtime.generation import eos_ids
     from pipeline.models import load_processor
 
     processor = load_processor(str(model_dir))
@@ -89,8 +91,8 @@ def test_generate_gives_hf_generate_tokens(toy_packed, examples, capsys, case, i
     ids, want, stopped, processor = hf_reference(toy_packed, prompt, image, 24)
     assert (ids[0] == processor.tokenizer.bos_token_id).sum() == 1, "one BOS, as eval and teacher-generate give"
     # the runtime's prompt is the same ids (the CLI once fed two BOS tokens with an image)
-    from pipeline.runtime import _inputs, _processor_for
-    from pipeline.runtime_models import read_header
+    from pipeline.runtime.generation import _inputs, _processor_for
+    from pipeline.runtime.models import read_header
 
     file = toy_packed / "model.safetensors"
     got, _ = _inputs("mllama", _processor_for(file, read_header(file)[1], None), prompt,
@@ -153,7 +155,7 @@ def test_a_corrupt_model_file_is_one_line_naming_it(toy_packed, tmp_path, capsys
         _one_line_error(capsys, ["eval", str(d), "--n", "1", "--tasks", "toy-vqa"], str(d / "model.safetensors"))
     # the same through the processes a user starts
     d = tmp_path / "truncated"
-    for argv in ([sys.executable, "-m", "pipeline.runtime", str(d), "--prompt", "hi"],
+    for argv in ([sys.executable, "-m", "pipeline.runtime.generation", str(d), "--prompt", "hi"],
                  [sys.executable, "-m", "pipeline.cli", "generate", str(d), "--prompt", "hi"]):
         p = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
         lines = p.stderr.strip().splitlines()
@@ -240,7 +242,7 @@ def test_pack_safetensors_names_a_nan_weight_and_its_file(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from pipeline import formats
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.formats.s3d8 import fit_centroids
     from pipeline.models import load_config, meta_model, quantised_weight_names
     from tests.stage_helpers import build_tiny_teacher, run_stage, workdir

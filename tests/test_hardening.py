@@ -17,10 +17,10 @@ import torch
 from PIL import Image
 
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader
+from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.images import load_image
 from pipeline.models import load_model
-from pipeline.packed import load_packed_model, write_packed
+from pipeline.packed.file import load_packed_model, write_packed
 from pipeline.answers import collate, Example, load_examples
 from pipeline.shards import write_shard
 from tests.conftest import tiny_inputs

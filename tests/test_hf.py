@@ -1,4 +1,4 @@
-"""Packed model directories (pipeline/hf.py): the layout pack-safetensors writes, from_pretrained equal to
+"""Packed model directories (pipeline/hf/quantizer.py): the layout pack-safetensors writes, from_pretrained equal to
 load_packed_model bit for bit (same kernel, decode and dtype), weights packed in memory by default, the native
 kernel option, sharding, plain transformers refusing loudly, bad input. tests/test_hf_traps.py: issue 23's traps."""
 
@@ -15,15 +15,15 @@ import torch
 
 import pipeline  # noqa: F401  (registers the packed formats with transformers)
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader
+from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.fit import fit_model
-from pipeline.hf import PackedQuantConfig
-from pipeline.hf_config import INDEX_NAME, MODEL_TYPE
-from pipeline.hf_write import fill_card, weight_bytes, write_model_dir
-from pipeline.safetensors_io import tensor_specs
+from pipeline.hf.quantizer import PackedQuantConfig
+from pipeline.hf.config import INDEX_NAME, MODEL_TYPE
+from pipeline.hf.write import fill_card, weight_bytes, write_model_dir
+from pipeline.packed.safetensors_io import tensor_specs
 from pipeline.models import load_config
-from pipeline.packed import load_packed_model, read_metadata
-from pipeline.packed_modules import LazyPackedEmbedding, LazyPackedLinear, PackedLinear
+from pipeline.packed.file import load_packed_model, read_metadata
+from pipeline.packed.modules import LazyPackedEmbedding, LazyPackedLinear, PackedLinear
 from tests.stage_helpers import build_tiny_teacher
 
 SHARD_LIMIT = 60_000          # bytes: the int model (about 190 kB) is written as several shards

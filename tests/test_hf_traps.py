@@ -17,11 +17,11 @@ import torch
 
 import pipeline  # noqa: F401  (registers the packed formats with transformers)
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader
-from pipeline.hf import PackedQuantConfig
-from pipeline.hf_config import HINT_KEY, INDEX_NAME, INSTALL, MODEL_TYPE, guard_model_type
-from pipeline.hf_write import write_model_dir
-from pipeline.packed import load_packed_model, read_metadata
+from pipeline.packed.checkpoint import CheckpointReader
+from pipeline.hf.quantizer import PackedQuantConfig
+from pipeline.hf.config import HINT_KEY, INDEX_NAME, INSTALL, MODEL_TYPE, guard_model_type
+from pipeline.hf.write import write_model_dir
+from pipeline.packed.file import load_packed_model, read_metadata
 from tests.test_hf import SHARD_LIMIT, from_pretrained, inputs, packed, teacher, write  # noqa: F401  (the fixtures)
 
 
@@ -249,7 +249,7 @@ def test_packed_llama_loads_with_auto_model_for_causal_lm(teacher, tmp_path, tie
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "saved")(ids).logits, default(ids).logits)
 
 
-@pytest.mark.parametrize("first", ["pipeline.hf_write", "pipeline.hf_config", "pipeline.hf", "pipeline.packed"])
+@pytest.mark.parametrize("first", ["pipeline.hf.write", "pipeline.hf.config", "pipeline.hf.quantizer", "pipeline.packed.file"])
 def test_the_registration_runs_whichever_module_is_imported_first(first):
     """The registration runs when transformers is first imported, which can happen halfway through importing one of
     the Hugging Face modules: every order still registers the packed formats."""

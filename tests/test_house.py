@@ -95,7 +95,7 @@ def test_formats_import_nothing_that_uses_them():
     for name, path in known.items():
         if name == "pipeline.formats" or name.startswith("pipeline.formats."):
             outside = {m for m in edges(name, path, known) if not m.startswith("pipeline.formats")}
-            assert not {m for m in outside if m.startswith(("pipeline.ptq", "pipeline.qat", "pipeline.packed",
+            assert not {m for m in outside if m.startswith(("pipeline.ptq", "pipeline.qat", "pipeline.packed.file",
                                                            "pipeline.direct_cast"))}, (name, outside)
 
 
@@ -132,3 +132,57 @@ def test_files_and_functions_stay_small():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{rel}: {node.name} {n} lines")
     assert big == [] and long == []
+
+
+def test_the_project_imports_modules_by_their_new_names():
+    """After the package move (``pipeline.moved``) the project's own code, tests and stages included, imports every
+    module where it lives: no old flat name, and no name a package only answers for old code (its ``__getattr__``)."""
+    import importlib
+
+    from pipeline.moved import MOVED
+
+    compat = {pkg: importlib.import_module(pkg)._API for pkg in
+              ("pipeline.packed", "pipeline.hf", "pipeline.runtime", "pipeline.sqt")}
+    hits = []
+    for path in sorted([*ROOT.glob("pipeline/**/*.py"), *ROOT.glob("stages/*.py"), *ROOT.glob("tests/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                if node.module in compat and path.name != "__init__.py":
+                    names += [f"{node.module}:{a.name}" for a in node.names if a.name in compat[node.module]]
+            hits += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                     if (n in MOVED and path.name != "test_house.py") or ":" in n]
+    assert hits == []
+
+
+def test_old_module_names_still_import(recwarn):
+    """Code written against the flat layout keeps working: the old name is the new module itself, with a warning
+    that names the new home; a package answers the names its module had; ``-m`` entry points stay."""
+    import importlib
+    import warnings
+
+    import pipeline.packed
+    import pipeline.packed.file
+    from pipeline.moved import MOVED
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("pipeline.runtime_models")
+    new = importlib.import_module("pipeline.runtime.models")
+    assert old is new and new.__spec__.name == "pipeline.runtime.models"
+    assert any("pipeline.runtime_models moved to pipeline.runtime.models" in str(w.message) for w in caught)
+    for name, target in MOVED.items():
+        assert (ROOT / (target.replace(".", "/") + ".py")).is_file(), target
+        assert not (ROOT / (name.replace(".", "/") + ".py")).exists(), name
+    assert pipeline.packed.load_packed_model is pipeline.packed.file.load_packed_model
+    try:
+        pipeline.packed.no_such_name
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
+    for package in ("hf", "runtime", "sqt"):
+        assert (ROOT / "pipeline" / package / "__main__.py").is_file()

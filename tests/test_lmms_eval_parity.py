@@ -40,7 +40,7 @@ except ImportError as e:  # CI installs it; a plain checkout need not
 from pipeline.eval import extract
 from pipeline.eval.extract import choice_index
 from pipeline.eval.metrics import anls, multiple_choice_accuracy, relaxed_accuracy, vqa_accuracy
-from pipeline.eval.prompts import option_letter
+from pipeline.eval.task_prompts import option_letter
 from pipeline.eval.tasks import EvalExample, score
 
 MIN_CASES = 300  # per metric

@@ -54,8 +54,7 @@ def test_check_names_the_phase_and_its_largest_terms(tmp_path, tiny_checkpoint):
 
 
 def _preset_11b():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import skeleton_11b
+    from pipeline.bench import skeleton_11b_steps as skeleton_11b
 
     config = skeleton_11b.full_11b_config()
     doc = yaml.safe_load((ROOT / "params.yaml").read_text())

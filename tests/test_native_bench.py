@@ -8,7 +8,7 @@ from pipeline import native
 from pipeline.bench import BenchParams
 from pipeline.params import defaults
 from pipeline.bench.kernels import check_params, metrics, parse_shape, run
-from pipeline.bench.report import chart, markdown
+from pipeline.bench.kernels_report import chart, markdown
 
 
 def test_records_metrics_report_and_chart(tmp_path):

@@ -31,7 +31,7 @@ _IGNORE = shutil.ignore_patterns("__pycache__", "*.so", "*.o", "_build", "*.egg-
 
 
 # The core: what loading and running a packed model needs (import pipeline and transformers' from_pretrained,
-# pipeline.runtime, the native kernels, s3d8 pack / generate / export-sqt / bench). The rest are extras.
+# pipeline.runtime.generation, the native kernels, s3d8 pack / generate / export-sqt / bench). The rest are extras.
 CORE = {"torch", "transformers", "tokenizers", "huggingface-hub", "safetensors", "cffi", "numpy", "pillow", "pyyaml",
         "jinja2", "rich"}
 EXTRAS = {
@@ -155,7 +155,7 @@ def test_a_packed_model_runs_without_the_extras(tmp_path):
 import sys
 for name in {blocked!r}:
     sys.modules[name] = None                   # import NAME raises ImportError, find_spec(NAME) is None
-import pipeline, pipeline.hf, pipeline.runtime, pipeline.packed, pipeline.native, pipeline.sqt
+import pipeline, pipeline.hf.quantizer, pipeline.runtime.generation, pipeline.packed.file, pipeline.native, pipeline.sqt.write
 from pipeline.cli import main
 out = {str(tmp_path)!r}
 assert main(["pack", {str(teacher)!r}, out + "/packed"]) == 0
@@ -211,10 +211,12 @@ def test_cli_help_and_generate_without_runtime(capsys, monkeypatch):
     assert "--shape '1,x,3': expected m,k,n" in capsys.readouterr().err
     import pipeline
 
-    monkeypatch.setitem(sys.modules, "pipeline.runtime", None)      # as if the module were missing
-    monkeypatch.delattr(pipeline, "runtime", raising=False)         # (another test may have imported it)
+    import pipeline.runtime
+
+    monkeypatch.setitem(sys.modules, "pipeline.runtime.generation", None)      # as if the module were missing
+    monkeypatch.delattr(pipeline.runtime, "generation", raising=False)         # (another test may have imported it)
     assert cli.main(["generate", "model", "--prompt", "hi"]) == 1     # the CLI's one exit status for errors
-    assert "s3d8 generate needs pipeline.runtime" in capsys.readouterr().err
+    assert "s3d8 generate needs pipeline.runtime.generation" in capsys.readouterr().err
 
 
 # --- building and installing (slow) -------------------------------------------------------------------------
@@ -309,7 +311,7 @@ def test_wheel_contents(wheel):
         assert [n for n in names if re.fullmatch(r"pipeline/_s3d8_native\.cpython-\d+-[\w-]+\.so", n)]
         assert "pipeline/toy/chat_template.jinja" in names
         assert z.read("pipeline/data/prompt_pool.yaml") == (REPO / "data/prompts/prompt_pool.yaml").read_bytes()
-        assert "pipeline/sqt.py" in names and "pipeline/cli.py" in names
+        assert "pipeline/sqt/write.py" in names and "pipeline/cli.py" in names
         info = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         assert "s3d8 = pipeline.cli:main" in z.read(info).decode()
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -339,7 +341,7 @@ def test_wheel_installs_and_runs_with_only_its_core_dependencies(wheel, tmp_path
     s3d8 = tmp_path / "venv" / "bin" / "s3d8"
     assert "export-sqt" in _run([s3d8, "--help"], cwd=work).stdout
     probe = _run([py, "-c", "import pipeline, pipeline.native as n, pipeline.prompts as p, importlib.resources as r;"
-                  "import pipeline.hf, pipeline.runtime, pipeline.packed;"
+                  "import pipeline.hf.quantizer, pipeline.runtime.generation, pipeline.packed.file;"
                   "print(pipeline.__file__); print(n.variant());"
                   "pool = r.files('pipeline') / 'data' / 'prompt_pool.yaml';"
                   "print(len(p.load_pool(str(pool)).prompts));"
@@ -359,7 +361,7 @@ def test_wheel_installs_and_runs_with_only_its_core_dependencies(wheel, tmp_path
         assert "tokens/s" in r.stderr
     out = _run([s3d8, "export-sqt", work / "packed", work / "model.sqt"], cwd=work, env=env).stdout
     assert "version 3" in out and "OK" in out
-    assert "OK" in _run([py, "-m", "pipeline.sqt", "check", work / "model.sqt"], cwd=work, env=env).stdout
+    assert "OK" in _run([py, "-m", "pipeline.sqt.write", "check", work / "model.sqt"], cwd=work, env=env).stdout
     assert "GMAC/s" in _run([s3d8, "bench", "--shape", "1,64,48", "--seconds", "0.05"], cwd=work, env=env).stdout
     logits = _run([py, "-c", "import pipeline, torch; from transformers import AutoModelForImageTextToText as A;"
                    "m = A.from_pretrained('packed'); print(tuple(m(input_ids=torch.tensor([[5, 6, 7]])).logits.shape))"],

@@ -9,11 +9,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader
-from pipeline.safetensors_io import StreamingWriter
+from pipeline.packed.checkpoint import CheckpointReader
+from pipeline.packed.safetensors_io import StreamingWriter
 from pipeline.models import load_model, meta_model, quantised_weight_names, states_by_module
-from pipeline.packed import load_packed_model, write_packed
-from pipeline.packed_modules import LazyPackedEmbedding, LazyPackedLinear, PackedEmbedding, PackedLinear
+from pipeline.packed.file import load_packed_model, write_packed
+from pipeline.packed.modules import LazyPackedEmbedding, LazyPackedLinear, PackedEmbedding, PackedLinear
 from pipeline.qat.api import prepare
 from tests.conftest import tiny_inputs
 
@@ -68,7 +68,7 @@ def test_packed_model_equals_the_qat_forward(tiny_checkpoint, tmp_path, fmt):
 
 def test_lazy_embedding_decodes_rows_in_blocks(tiny_checkpoint, tmp_path, monkeypatch):
     """Row blocks smaller than the table: every looked-up row equals the eagerly decoded one."""
-    import pipeline.packed_modules as packed
+    import pipeline.packed.modules as packed
 
     monkeypatch.setattr(packed, "_ROW_BLOCK_ELEMS", 48 * 6)      # 6 rows per block
     for fmt in ("s3d8", "int", "student_t"):
@@ -92,7 +92,7 @@ def test_lazy_linear_decodes_big_weights_in_row_blocks(tiny_checkpoint, tmp_path
     """With a block far smaller than the weights (as the 11B's lm_head is to 256 MB), the logits equal the
     eagerly decoded model's up to float summation order: each output is the same dot product, but BLAS may
     pick another kernel for a 6-row matrix (measured: equal bit for bit at 3,000 x 4,096 blocks)."""
-    import pipeline.packed_modules as packed
+    import pipeline.packed.modules as packed
 
     states = fit_all(tiny_checkpoint, fmt)
     out = tmp_path / f"{fmt}.safetensors"

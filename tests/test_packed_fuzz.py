@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pipeline import formats  # noqa: E402
-from pipeline.checkpoint import CheckpointReader  # noqa: E402
+from pipeline.packed.checkpoint import CheckpointReader  # noqa: E402
 from pipeline.models import load_model  # noqa: E402
-from pipeline.packed import load_packed_model, write_packed  # noqa: E402
+from pipeline.packed.file import load_packed_model, write_packed  # noqa: E402
 from tests.conftest import tiny_inputs  # noqa: E402
 from tests.test_hardening import deadline  # noqa: E402
 from tests.test_packed import fit_all  # noqa: E402

@@ -113,7 +113,7 @@ def test_dvc_repro_text_llama_slice(tmp_path):
     imported = json.loads((work / "models/teacher/teacher_import.json").read_text())
     assert imported["kind"] == "gguf" and imported["file"] == "tiny-llama.gguf"
     assert imported["rotate"] == {"kind": "orthogonal", "seed": 0, "dtype": "float32"}      # the preset rotates
-    from pipeline.packed import read_metadata
+    from pipeline.packed.file import read_metadata
 
     assert read_metadata(work / "models/packed/s3d8/qat/model.safetensors")["rotate"] == "orthogonal"
     result = json.loads((work / "reports/eval.json").read_text())["models"]
@@ -132,6 +132,6 @@ def test_dvc_repro_text_llama_slice(tmp_path):
              f"m = AutoModelForCausalLM.from_pretrained('{packed}'); "
              "print(type(m).__name__, m.config.quantization_config.quant_method)")
     assert "LlamaForCausalLM s3d8" in _run([str(BIN / "python"), "-c", check], work)
-    out = _run([str(BIN / "python"), "-m", "pipeline.runtime", str(packed), "--prompt", "Explain the tides.",
+    out = _run([str(BIN / "python"), "-m", "pipeline.runtime.generation", str(packed), "--prompt", "Explain the tides.",
                 "--max-new-tokens", "5"], work)
     assert "[llama s3d8, lean" in out and "prompt 34 tokens" in out, out     # the chat template, not byte tokens

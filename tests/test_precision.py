@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from pipeline import formats, ptq, sequential
-from pipeline.checkpoint import CheckpointReader
+from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.models import load_model, meta_model, quantised_weight_names, states_by_module
-from pipeline.packed import load_packed_model, read_metadata, write_packed
+from pipeline.packed.file import load_packed_model, read_metadata, write_packed
 from pipeline.precision import Precision, check_rules, parse_rules
 from pipeline.qat.api import prepare
 from tests.conftest import tiny_inputs

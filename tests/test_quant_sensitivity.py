@@ -1,4 +1,4 @@
-"""benchmarks/quant_sensitivity.py on the committed teacher, a few items: rows, error scaling, k = 0 is the teacher."""
+"""pipeline/bench/quant_sensitivity.py on the committed teacher, a few items: rows, error scaling, k = 0 is the teacher."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_sensitivity_rows(tmp_path):
     out = tmp_path / "sens.json"
-    subprocess.run([sys.executable, "benchmarks/quant_sensitivity.py", "--formats", "int", "lloyd_max",
+    subprocess.run([sys.executable, "-m", "pipeline.bench.quant_sensitivity", "--formats", "int", "lloyd_max",
                     "--scales", "0", "1", "2", "--n", "4", "--out", str(out)], cwd=ROOT, check=True,
                    capture_output=True)
     rows = json.loads(out.read_text())["rows"]

@@ -385,10 +385,10 @@ def test_our_packed_rows_census_quality_and_speed(teacher, tmp_path):
     """A tiny S3D8 direct cast of the teacher under ``<packed>/s3d8/direct-cast``: found (a file of another model is
     skipped with a note), counted, scored through the eval stage's loader and timed in a child."""
     from pipeline import formats
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.eval.text import TextReference
     from pipeline.fit import fit_model
-    from pipeline.packed import write_packed
+    from pipeline.packed.file import write_packed
     from pipeline.answers import Example
     from transformers import AutoConfig
 
@@ -440,10 +440,10 @@ def test_sensitivity_puts_back_one_group_at_a_time_and_restores_the_student(tmp_
     is refused."""
     from pipeline import formats
     from pipeline.bench import sensitivity
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.eval.text import TextReference, hf_logits_fn
     from pipeline.fit import fit_model
-    from pipeline.packed import load_packed_model, write_packed
+    from pipeline.packed.file import load_packed_model, write_packed
     from pipeline.answers import Example
     from pipeline.recipe import replace
     from tests.test_teacher_import import tiny_llama

@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline import formats, native, runtime, runtime_models
-from pipeline.checkpoint import CheckpointReader
+from pipeline import formats, native
+
+from pipeline.runtime import generation as runtime, models as runtime_models
+from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.formats import s3d8 as s3d8_format
 from pipeline.synthetic import llama_config, write_gguf, write_synthetic
 from tests.conftest import tiny_inputs
@@ -67,7 +69,7 @@ def test_lean_llama_equals_hf_llama_on_the_same_kernels(synth, fmt):
 
 @pytest.mark.parametrize("fmt,heads", [("s3d8", 24), ("int8", 24), ("bf16", 24), ("s3d8", 64), ("bf16", 64)])
 def test_c_decode_step_gives_the_torch_paths_tokens_and_cache(synth, synth_hd64, fmt, heads):
-    """A decode token in one C call (pipeline/decode_step.py) against the torch general path on the same weights:
+    """A decode token in one C call (pipeline/runtime/decode_step.py) against the torch general path on the same weights:
     the same greedy tokens, logits and K/V cache equal to float32 rounding (the RMSNorm mean, SiLU's exp and the
     attention sums are summed in another order than torch's; the products, RoPE and residuals are the same
     arithmetic)."""
@@ -93,7 +95,7 @@ def test_c_decode_step_gives_the_torch_paths_tokens_and_cache(synth, synth_hd64,
 def test_s3d8_lean_llama_equals_the_torch_fake_quant_reference(synth):
     """The lean decoder on native kernels vs HF Llama with decoded weights and fake-quantised INT8
     activations (the QAT forward): the same greedy tokens."""
-    from pipeline.packed_modules import PackedLinear
+    from pipeline.packed.modules import PackedLinear
 
     lean = runtime_models.LeanLlama(synth["s3d8"], 64)
     ref = runtime_models.hf_llama(synth["s3d8"])
@@ -123,7 +125,7 @@ def test_row_embedding_decodes_only_what_it_needs_and_equals_decode():
 @pytest.fixture(scope="module")
 def packed_toy(tmp_path_factory, tiny_checkpoint):
     from pipeline.models import load_model, meta_model, quantised_weight_names
-    from pipeline.packed import write_packed
+    from pipeline.packed.file import write_packed
 
     reader = CheckpointReader(tiny_checkpoint)
     teacher = load_model(str(tiny_checkpoint), torch.float32)
@@ -137,7 +139,7 @@ def packed_toy(tmp_path_factory, tiny_checkpoint):
 
 def test_packed_mllama_runs_native_and_gives_the_torch_paths_tokens(packed_toy):
     from pipeline import native
-    from pipeline.packed import load_packed_model
+    from pipeline.packed.file import load_packed_model
 
     model = runtime_models.hf_mllama(packed_toy)
     kinds = {type(m).__name__ for m in model.modules()}
@@ -194,7 +196,7 @@ def test_batched_c_step_gives_each_sequence_its_own_steps_bits(synth, fmt):
     """Several sequences in one C call (each weight read once for all): every row's logits and K/V cache equal
     the same sequence stepped alone, bit for bit, whatever the other rows hold; a step of decoders over other
     weights is refused."""
-    from pipeline import decode_step
+    from pipeline.runtime import decode_step
 
     model = runtime_models.LeanLlama(synth[fmt], 40)
     prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 6, 9)]
@@ -220,7 +222,7 @@ def test_batched_c_step_gives_each_sequence_its_own_steps_bits(synth, fmt):
 def test_batched_c_step_of_mllama_mixes_image_and_text_requests(packed_toy):
     """Mllama requests with and without an image in one batch: the cross-attention layers run for the rows that
     have an image's K/V and are left out for the others, each row's logits its own step's."""
-    from pipeline import decode_step
+    from pipeline.runtime import decode_step
 
     model = runtime_models.hf_mllama(packed_toy)
     inputs = {k: v[:1] for k, v in tiny_inputs(batch=1, length=7).items() if k != "attention_mask"}
@@ -244,7 +246,7 @@ def test_batched_c_step_of_mllama_mixes_image_and_text_requests(packed_toy):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "pipeline.runtime", *map(str, args)], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "pipeline.runtime.generation", *map(str, args)], capture_output=True, text=True)
 
 
 def test_cli_generates_and_reports_tokens_per_s(synth):
@@ -306,7 +308,7 @@ def test_cli_bad_input_is_one_line(synth, tmp_path, packed_toy):
 
 def test_cli_refuses_other_packed_formats(tiny_checkpoint, tmp_path):
     from pipeline.models import load_model, meta_model, quantised_weight_names
-    from pipeline.packed import write_packed
+    from pipeline.packed.file import write_packed
 
     reader = CheckpointReader(tiny_checkpoint)
     teacher = load_model(str(tiny_checkpoint), torch.float32)
@@ -352,7 +354,7 @@ def test_c_decode_step_and_row_embedding_refuse_tensors_without_their_bytes():
     ValueError naming the layer and the tensor when the C decoder is built, and the row embedding refuses a freed
     buffer before torch or C reads it: never a segmentation fault."""
     from pipeline import native
-    from pipeline.decode_step import DecodeStep, rope_tables
+    from pipeline.runtime.decode_step import DecodeStep, rope_tables
 
     gen = torch.Generator().manual_seed(0)
 

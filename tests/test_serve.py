@@ -108,7 +108,7 @@ def chat(server: Server, text: str, **kw):
 
 
 def generate_cli(model: Path, prompt: str, n: int, *extra: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "pipeline.runtime", str(model), "--prompt", prompt,
+    out = subprocess.run([sys.executable, "-m", "pipeline.runtime.generation", str(model), "--prompt", prompt,
                           "--max-new-tokens", str(n), "--threads", "1", *extra], capture_output=True, text=True,
                          check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return out.stdout[:-1]                          # its answer, then a newline

@@ -1,6 +1,6 @@
 """The 11B-shaped skeleton's code paths that run without a GPU or gigabytes: the memory model on a tiny config,
-the tiny skeleton built like a hub checkpoint and run, and gpu_check's no-GPU exit (benchmarks/skeleton_11b.py,
-benchmarks/gpu_check.py)."""
+the tiny skeleton built like a hub checkpoint and run, and gpu_check's no-GPU exit (pipeline/bench/skeleton_11b.py,
+pipeline/bench/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import skeleton_11b as S  # noqa: E402
+from pipeline.bench import skeleton_11b_steps as S  # noqa: E402
 
 from pipeline import memory_plan  # noqa: E402
 
@@ -110,7 +109,7 @@ def test_phases_record_peaks():
 
 
 def test_gpu_check_without_a_gpu_says_so():
-    import gpu_check
+    from pipeline.bench import gpu_check
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible here")
@@ -118,7 +117,7 @@ def test_gpu_check_without_a_gpu_says_so():
     assert reason and "no CUDA GPU" in reason
     assert gpu_check.main([]) == gpu_check.NO_GPU_STATUS
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--steps", "1"], env=env,
+    proc = subprocess.run(["bash", str(ROOT / "pipeline" / "bench" / "gpu_check.sh"), "--steps", "1"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "gpu_check: no CUDA GPU visible" in proc.stderr
@@ -127,7 +126,7 @@ def test_gpu_check_without_a_gpu_says_so():
 
 
 def test_gpu_check_cpu_side_builds_the_tiny_skeleton_and_its_states(tmp_path, monkeypatch):
-    import gpu_check
+    from pipeline.bench import gpu_check
     from pipeline import formats
     from pipeline.models import meta_model, quantised_weight_names
 
@@ -143,7 +142,7 @@ def test_gpu_check_cpu_side_builds_the_tiny_skeleton_and_its_states(tmp_path, mo
 def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     """The GPU check's code on the CPU (tiny skeleton): the direct cast it times is the stage's and QAT starts
     from it; without dvclive the per-step metrics land in its JSON."""
-    import gpu_check
+    from pipeline.bench import gpu_check
     from pipeline import formats
     from pipeline.direct_cast import DirectCast
 

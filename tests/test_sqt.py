@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader
-from pipeline.safetensors_io import write_tensors
-from pipeline.packed import write_packed
-from pipeline.sqt import export, standard_name
-from pipeline.sqt_blocks import GPT2_PATTERN, SqtUnsupported, vocab_block
-from pipeline.sqt_layout import MAGIC, VERSION, SqtError, align, expected_bytes
-from pipeline.sqt_read import read_sqt
+from pipeline.packed.checkpoint import CheckpointReader
+from pipeline.packed.safetensors_io import write_tensors
+from pipeline.packed.file import write_packed
+from pipeline.sqt.write import export, standard_name
+from pipeline.sqt.blocks import GPT2_PATTERN, SqtUnsupported, vocab_block
+from pipeline.sqt.container import MAGIC, VERSION, SqtError, align, expected_bytes
+from pipeline.sqt.read import read_sqt
 from tests.stage_helpers import REPO, build_tiny_teacher
 from tests.test_packed import fit_all
 
@@ -339,7 +339,7 @@ def test_buffer_checks_and_cli(sqt_file, tmp_path):
     (tmp_path / "pad.sqt").write_bytes(raw)
     with pytest.raises(SqtError, match=rf"pad\.sqt: buffer: bytes \[{end}, \d+\) before tensor '.*' are not zero"):
         read_sqt(tmp_path / "pad.sqt")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "pipeline.sqt", *a], capture_output=True, text=True,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pipeline.sqt.write", *a], capture_output=True, text=True,  # noqa: E731
                                     cwd=REPO)
     ok = run("check", str(good))
     assert ok.returncode == 0 and "version 3" in ok.stdout and "OK" in ok.stdout
@@ -360,7 +360,7 @@ def test_export_stage_writes_the_files_or_says_why_not(packed, tmp_path, monkeyp
     """Stage export-sqt: each student's .sqt (read back); a model the engine cannot run leaves NOT-EXPORTED.txt with
     the reason, and no .sqt."""
     import stages.export_sqt as stage
-    from pipeline.sqt_blocks import SqtUnsupported
+    from pipeline.sqt.blocks import SqtUnsupported
 
     root = tmp_path / "packed"
     for method in ("direct-cast", "qat"):

@@ -123,9 +123,9 @@ def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     it: its direct cast has a lower output error tr(dW H dW^T) on the calibration set than the scale search's."""
     import torch
 
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.models import load_config, meta_model, quantised_weight_names
-    from pipeline.packed import load_packed_model
+    from pipeline.packed.file import load_packed_model
 
     with safe_open(str(chain / "data/calibration/hessians.safetensors"), "pt") as f:
         hessians = {k: f.get_tensor(k) for k in f.keys()}
@@ -159,7 +159,7 @@ def test_qat_from_the_ptq_point_with_learned_scales_and_a_table_refit(chain, tmp
     import torch
 
     from pipeline import formats
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
 
     cwd = workdir(tmp_path, teacher, **{"qat.init": "ptq", "qat.learn_scales": True, "qat.scale_lr": 1e-2,
                                         "qat.refit_table": True})
@@ -194,8 +194,8 @@ def test_a_precision_plan_and_the_sequential_cast_through_the_stages(chain, tmp_
     import torch
 
     from pipeline import formats
-    from pipeline.checkpoint import CheckpointReader
-    from pipeline.packed import load_packed_model, read_metadata
+    from pipeline.packed.checkpoint import CheckpointReader
+    from pipeline.packed.file import load_packed_model, read_metadata
 
     rules = {r"embed_tokens$": "int8", r"mlp\.down_proj$": "int8"}
     cwd = workdir(tmp_path, teacher, **{"calibrate.sequential": True, "pack.precision": rules, "qat.init": "ptq",
@@ -282,9 +282,9 @@ def test_every_output_is_byte_reproducible(chain, tmp_path, teacher):
 
 
 @pytest.mark.parametrize("stage, function, calls", [
-    (("fit_centroids.py", "--format", "s3d8"), "pipeline.safetensors_io:StreamingWriter.write", 3),
+    (("fit_centroids.py", "--format", "s3d8"), "pipeline.packed.safetensors_io:StreamingWriter.write", 3),
     (("sample_prompts.py",), "pipeline.shards.write_shard", 1),
-    (("pack_safetensors.py", "--format", "s3d8"), "pipeline.safetensors_io:StreamingWriter.write", 5),
+    (("pack_safetensors.py", "--format", "s3d8"), "pipeline.packed.safetensors_io:StreamingWriter.write", 5),
 ])
 def test_a_kill_inside_a_write_leaves_nothing_and_a_rerun_gives_the_same_outputs(chain, tmp_path, teacher,
                                                                                stage, function, calls):
@@ -325,7 +325,7 @@ def test_direct_cast_is_ptq_bit_for_bit_and_what_pack_and_qat_read(chain, teache
 
     from pipeline import formats, ptq
     from pipeline.calibrate import Calibration
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.direct_cast import DirectCast
 
     fmt = formats.get("s3d8")

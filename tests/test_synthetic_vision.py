@@ -17,7 +17,7 @@ import torch
 
 from pipeline import native
 from pipeline.mllama_shape import skeleton_config
-from pipeline.packed import read_metadata
+from pipeline.packed.file import read_metadata
 from pipeline.synthetic_vision import PRESETS, tensors, write_vision
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,9 +49,9 @@ def test_every_tensor_at_its_shape_in_the_plans_formats(files):
 
 
 def test_the_runtime_runs_both_files_on_the_native_kernels(files):
-    from pipeline import runtime
+    from pipeline.runtime import generation as runtime
     from pipeline.bench.vision import answer, inputs
-    from pipeline.runtime_models import hf_mllama, model_kind, read_header
+    from pipeline.runtime.models import hf_mllama, model_kind, read_header
 
     for stem, path in files.items():
         assert model_kind(path) == ("mllama", stem)
@@ -93,8 +93,8 @@ def test_generate_bench_measures_an_image_and_a_question(tmp_path):
 def test_the_runtime_reads_the_file_into_private_memory_once(files):
     """hf_mllama's tensors are the file's bytes read into one private block: equal to the mapped load's, 64-byte
     aligned, and no page of the packed file stays mapped (a mapped file's pages would count beside the copy)."""
-    from pipeline.packed import load_packed_model
-    from pipeline.runtime_models import hf_mllama
+    from pipeline.packed.file import load_packed_model
+    from pipeline.runtime.models import hf_mllama
 
     path = files["s3d8"]
     mapped = dict(load_packed_model(path, kernel="native", decode="lazy").state_dict())
@@ -111,10 +111,10 @@ def test_the_runtime_reads_the_file_into_private_memory_once(files):
 
 
 def test_the_runtimes_vision_encoder_keeps_only_what_is_read_and_changes_no_number(files):
-    from pipeline import runtime
+    from pipeline.runtime import generation as runtime
     from pipeline.bench.vision import inputs
-    from pipeline.packed import load_packed_model
-    from pipeline.runtime_models import VisionEncoder, hf_mllama, read_header
+    from pipeline.packed.file import load_packed_model
+    from pipeline.runtime.models import VisionEncoder, hf_mllama, read_header
 
     path = files["s3d8"]
     lean, plain = hf_mllama(path), load_packed_model(path, kernel="native", decode="lazy")
@@ -129,8 +129,8 @@ def test_the_runtimes_vision_encoder_keeps_only_what_is_read_and_changes_no_numb
 
 
 def test_a_private_read_names_the_file_and_tensor_it_cannot_read(tmp_path):
-    from pipeline.checkpoint import CheckpointReader
-    from pipeline.safetensors_io import write_tensors
+    from pipeline.packed.checkpoint import CheckpointReader
+    from pipeline.packed.safetensors_io import write_tensors
 
     path = tmp_path / "t.safetensors"
     write_tensors(path, {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(5, dtype=torch.int8)})
@@ -150,9 +150,9 @@ def test_a_private_read_names_the_file_and_tensor_it_cannot_read(tmp_path):
 def test_the_decode_step_reads_the_image_keys_and_values_where_the_cache_holds_them(files):
     """The C decoder's cross-attention layers point at the prompt cache's K/V (float32, contiguous): no second copy
     of the image's keys and values (0.4 GB at the 11B's four tiles) beside the cache."""
-    from pipeline import runtime
+    from pipeline.runtime import generation as runtime
     from pipeline.bench.vision import inputs
-    from pipeline.runtime_models import hf_mllama, mllama_step, read_header
+    from pipeline.runtime.models import hf_mllama, mllama_step, read_header
 
     path = files["s3d8"]
     model = hf_mllama(path)

@@ -54,7 +54,7 @@ def test_text_teacher_has_a_tokenizer_and_text_templates(tokenizer):
 
 
 def test_sample_and_generate_text_prompts(tmp_path, teacher_dir, tokenizer):
-    from pipeline import generate
+    from pipeline import teacher_generate as generate
     from pipeline.params import defaults
     from pipeline.sample import SampleParams, sample_prompts
     from pipeline.shards import read_shard

@@ -1,6 +1,6 @@
 """Kernel benchmarks (SPEC section 8): the arm-bench stage's parameters, harness and report.
 
-``pipeline.bench.kernels`` times the products, ``pipeline.bench.report`` writes the markdown and the chart.
+``pipeline.bench.kernels`` times the products, ``pipeline.bench.kernels_report`` writes the markdown and the chart.
 """
 
 from __future__ import annotations

@@ -56,9 +56,9 @@ def toy_packed(path: Path = TOY_PACKED) -> Path:
     if path.exists():
         return path
     from pipeline import formats
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.models import load_config, meta_model, quantised_weight_names
-    from pipeline.packed import write_packed
+    from pipeline.packed.file import write_packed
 
     src = ROOT / "data" / "toy-teacher"
     reader = CheckpointReader(src / "model.safetensors")
@@ -140,7 +140,7 @@ def _prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 
 def _child_native(spec: dict) -> dict:
-    from pipeline import runtime, runtime_models
+    from pipeline.runtime import generation as runtime, models as runtime_models
 
     torch.set_num_threads(spec["threads"])
     path = Path(spec["path"])
@@ -176,7 +176,7 @@ def _child_native(spec: dict) -> dict:
 def overhead_ms_per_token(model, prompt: torch.Tensor, new_tokens: int) -> float:
     """Mean milliseconds of a decode token of the lean runtime's C step with every weight product stubbed out
     (``stub_products``): what a token costs beyond its products, at the positions the timed run decoded."""
-    from pipeline import runtime_models
+    from pipeline.runtime import models as runtime_models
 
     n = prompt.shape[-1]
     if isinstance(model, runtime_models.LeanLlama):
@@ -268,8 +268,10 @@ def read_bandwidth(threads: int = 1, nbytes: int = 1 << 30, repeats: int = 5) ->
     (``safetensors_io.private_memory``: huge pages advised)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline import native, safetensors_io
+    from pipeline import native
 
+
+    from pipeline.packed import safetensors_io
     bufs = [safetensors_io.private_memory(nbytes // threads).fill_(1) for _ in range(threads)]
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
@@ -350,7 +352,7 @@ def write_report(data: dict, out_dir: Path) -> None:
           f"Machine: {machine.line(data['machine'])}; load average {data['load_average_before']} before, "
           f"{data['load_average_after']} after; read bandwidth {bws} (`native.read_bandwidth_probe`, 1 GiB in all, "
           f"best of 5, huge pages advised as for the weights). Prompt {data['prompt_tokens']} tokens, {data['new_tokens']} new tokens, greedy, EOS ignored; "
-          "each row a fresh process. Lean rows decode each token in one C call (`pipeline/decode_step.py`); "
+          "each row a fresh process. Lean rows decode each token in one C call (`pipeline/runtime/decode_step.py`); "
           "overhead ms/token is that call with the weight products stubbed out. Timings on a shared machine: "
           "compare ratios within this run.", "",
           "| model | format | impl | threads | prefill tok/s | decode tok/s | overhead ms/token | weight MB | "

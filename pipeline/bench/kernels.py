@@ -30,7 +30,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pipeline import layout, native
+from pipeline import native
+
+from pipeline.packed import layout
 from pipeline.bench import PAPER_SHAPES, BenchParams
 
 OP_NAMES = {shape: (op, pixel) for op, shape, pixel in PAPER_SHAPES}

@@ -242,7 +242,7 @@ def file_type(path: Path) -> str:
 def packed_census(path: str | Path) -> dict:
     """The same count for one of our packed safetensors files: the tensors of every weight in its ``shapes``
     metadata (``W``, ``W.packed``, ``W.scale``, ``W.table`` ...) against that weight's number of elements."""
-    from pipeline.runtime_models import read_header
+    from pipeline.runtime.models import read_header
 
     header, meta, _ = read_header(path)
     shapes = json.loads(meta.get("shapes", "{}"))

@@ -15,7 +15,7 @@ models/packed] [--types all|Q8_0,Q4_K_M,...] [--threads 1,2] [--out reports]``
    per tensor role (K-quants fall back per tensor where a row is not a multiple of 256 wide).
 3. Quality, one code path for every row (:mod:`pipeline.eval.text`): KL to the teacher and top-1 agreement on the
    held-out teacher answers, perplexity on the held-out prose corpus. llama.cpp rows give their logits through
-   ``Llama(logits_all=True)``; ours through ``pipeline.packed.load_packed_model`` (the eval stage's loader).
+   ``Llama(logits_all=True)``; ours through ``pipeline.packed.file.load_packed_model`` (the eval stage's loader).
 4. Speed, every row on each thread count: prefill and decode tokens/s (128-token prompt, 64 new tokens) in a fresh
    process per measurement (``pipeline.bench.generate.child``: ``_child_llama_cpp``, ``_child_native``); llama.cpp
    rows also carry llama.cpp's own counters (``llama_perf_context``: ``t_p_eval_ms``, ``n_p_eval``, ``t_eval_ms``,
@@ -141,8 +141,8 @@ def _llama_cpp_speed(spec: dict) -> dict:
 def _torch_speed(spec: dict) -> dict:
     """A packed file the lean runtime does not run: the HF model on the torch kernels, ``runtime.hf_generate``
     (warm-up, then the timed prompt, as ``_child_native``)."""
-    from pipeline import runtime
-    from pipeline.packed import load_packed_model
+    from pipeline.runtime import generation as runtime
+    from pipeline.packed.file import load_packed_model
 
     torch.set_num_threads(spec["threads"])
     t0 = time.perf_counter()
@@ -171,7 +171,7 @@ def child(spec: dict) -> dict:
         raise ValueError(f"child task {spec['task']!r}: expected quantize, probe, quality or speed")
     if spec["impl"] == "llama.cpp":
         return {**_llama_cpp_speed(spec), "runtime": "llama.cpp"}
-    from pipeline import runtime_models
+    from pipeline.runtime import models as runtime_models
     try:
         runtime_models.model_kind(spec["path"])
     except runtime_models.RuntimeInputError:
@@ -184,7 +184,7 @@ def child(spec: dict) -> dict:
 def packed_logits_fn(path: str | Path, act_quant: bool = True):
     """``(logits_fn, model)`` of one of our packed files, loaded as the eval stage loads it (torch kernels)."""
     from pipeline.eval.text import hf_logits_fn
-    from pipeline.packed import load_packed_model
+    from pipeline.packed.file import load_packed_model
 
     model = load_packed_model(path, act_quant=act_quant, kernel="torch").eval()
     return hf_logits_fn(model), model
@@ -209,7 +209,7 @@ def _quality(spec: dict) -> dict:
 def packed_models(root: str | Path, teacher_config) -> tuple[list[dict], list[str]]:
     """Our packed files under ``root`` (``<format>/<method>/model.safetensors``) that come from a text-only Llama
     with the teacher's widths; the others are named in the notes."""
-    from pipeline.runtime_models import RuntimeInputError, read_header
+    from pipeline.runtime.models import RuntimeInputError, read_header
 
     found, notes = [], []
     for path in sorted(Path(root).glob("*/*/model.safetensors")):

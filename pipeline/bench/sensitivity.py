@@ -49,7 +49,7 @@ def measure(packed: Path, teacher_dir: Path, teacher_data: str, heldout: int, ma
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.eval import text
-    from pipeline.packed import load_packed_model
+    from pipeline.packed.file import load_packed_model
     from pipeline.answers import load_examples, split_heldout
     from pipeline.stage import console, progress
 

@@ -56,7 +56,7 @@ def inputs(processor, size: tuple[int, int], question: str = QUESTION) -> dict:
 
 def answer(model, batch: dict, new_tokens: int) -> dict:
     """Seconds of each part of one answer (see the module docstring)."""
-    from pipeline.runtime_models import mllama_step
+    from pipeline.runtime.models import mllama_step
 
     ids, cam = batch["input_ids"], batch["cross_attention_mask"]
     n = ids.shape[-1]
@@ -81,8 +81,8 @@ def answer(model, batch: dict, new_tokens: int) -> dict:
 
 def child(spec: dict) -> dict:
     """The measurement of one file at one thread count (a fresh process: ``pipeline.bench.generate --child``)."""
-    from pipeline import runtime
-    from pipeline.runtime_models import hf_mllama, read_header
+    from pipeline.runtime import generation as runtime
+    from pipeline.runtime.models import hf_mllama, read_header
 
     torch.set_num_threads(spec["threads"])
     path = Path(spec["path"])

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.eval.prompts import option_letter
+from pipeline.eval.task_prompts import option_letter
 
 
 FINAL_ANSWER = "FINAL ANSWER:"

@@ -16,8 +16,8 @@ from pipeline.eval.runner import evaluate
 from pipeline.eval.tasks import family_of, load_task
 from pipeline.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor, token_ids
-from pipeline.packed import load_packed_model, read_metadata
-from pipeline.packed_modules import DECODES, check_kernel
+from pipeline.packed.file import load_packed_model, read_metadata
+from pipeline.packed.modules import DECODES, check_kernel
 from pipeline.params import non_negative, positive
 from pipeline.answers import load_examples, split_heldout
 from pipeline.recipe import STUDENTS

@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.eval import extract, metrics
-from pipeline.eval.prompts import option_letter, prompt_for
+from pipeline.eval.task_prompts import option_letter, prompt_for
 
 DEFAULT_N = 1024
 

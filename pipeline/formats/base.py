@@ -190,7 +190,7 @@ class FormatBase:
     def save_states(self, path, states: dict[str, State], metadata: dict | None = None) -> None:
         """Write fitted states: the tensor ``key`` of the weight ``P.weight`` as ``P.weight.key`` (the
         packed file's naming); metadata names the format. Same states, same bytes."""
-        from pipeline.safetensors_io import write_tensors
+        from pipeline.packed.safetensors_io import write_tensors
 
         tensors = {f"{module}.weight.{key}": t.contiguous() for module, st in states.items()
                    for key, t in st.items()}

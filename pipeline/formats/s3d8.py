@@ -16,11 +16,11 @@ import warnings
 
 import torch
 
-from pipeline import layout
+from pipeline.packed import layout
 from pipeline.formats import numerics
 from pipeline.formats.base import FormatBase, PackedSpecs, State, ceil_div, check_shape, check_weight
 from pipeline.formats.numerics import SMALLEST_SCALE
-from pipeline.layout import GROUP, N_CENTROIDS, TABLE_SHAPE
+from pipeline.packed.layout import GROUP, N_CENTROIDS, TABLE_SHAPE
 from pipeline.quant import INT8_MAX, straight_through
 
 NAME = "s3d8"

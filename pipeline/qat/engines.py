@@ -21,7 +21,7 @@ from pipeline.io import atomic_dir
 from pipeline.processes import LaunchParams
 from pipeline.models import load_config, load_model, meta_model
 from pipeline.qat.modules import _FakeQuant
-from pipeline.safetensors_io import write_tensors
+from pipeline.packed.safetensors_io import write_tensors
 
 
 QAT_STATE = "qat_state.safetensors"

@@ -9,7 +9,7 @@ it), ``seed``, ``stop`` (up to 4 strings, not part of the answer), ``stream`` (s
 
 One worker thread runs the model (:class:`Engine`); ``--max-batch`` sequences are in flight at once, each with its
 own KV cache and C decoder over the shared weights; a round gives each of them its next token in one C call
-(``pipeline.decode_step.step_batch``: every weight read once for all the rows, each row's logits those of its
+(``pipeline.runtime.decode_step.step_batch``: every weight read once for all the rows, each row's logits those of its
 sequence alone, bit for bit); a new request's prompt runs between two rounds. Requests beyond that wait in a queue of ``--max-queue``; past it the answer is 503 with
 ``Retry-After``. A client that goes away (a stream closed, a request dropped) frees its sequence at the next
 token. Bad input is a 4xx JSON error naming the field (OpenAI's error object); SIGTERM (uvicorn's graceful
@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 
-from pipeline import runtime
+from pipeline.runtime import generation as runtime
 from pipeline.serve.app import build_app
 from pipeline.serve.engine import Engine
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline import runtime
-from pipeline.decode_step import step_batch
-from pipeline.runtime_models import LeanLlama, RuntimeInputError, model_kind, read_header
+from pipeline.runtime import generation as runtime
+from pipeline.runtime.decode_step import step_batch
+from pipeline.runtime.models import LeanLlama, RuntimeInputError, model_kind, read_header
 from pipeline.serve.requests import ServeError, _number, bad, chat_messages, sampling_of
 
 
@@ -46,7 +46,7 @@ class _Sequence:
     job: Job
     slot: object
     logits: torch.Tensor
-    decoder: object                 # its C decoder (pipeline.decode_step.DecodeStep)
+    decoder: object                 # its C decoder (pipeline.runtime.decode_step.DecodeStep)
     gen: torch.Generator
     step: int = 0
 

@@ -9,7 +9,7 @@ import io
 import json
 import secrets
 
-from pipeline import runtime
+from pipeline.runtime import generation as runtime
 
 UNSUPPORTED = {"n": 1, "logprobs": None, "top_logprobs": None, "echo": False, "best_of": 1, "suffix": None,
                "tools": None, "functions": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0}

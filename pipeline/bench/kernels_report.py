@@ -4,12 +4,14 @@ figures beside ours, the targets, where the time goes, every measurement) and ``
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 from pipeline import native
 from pipeline.bench import PAPER_SHAPES, BenchParams
-from pipeline.bench.kernels import OP_NAMES, best, rec
-from pipeline.io import atomic_path
+from pipeline.bench.kernels import OP_NAMES, best, metrics, rec
+from pipeline.io import atomic_path, write_json, write_text
+from pipeline.stage import versions
 
 TARGETS = [  # (summary key, threshold, text)
     ("m1_s3d8_gmacs_1t", 30.0, "m=1 (1,4096,14336) cold, 1 thread: S3D8 >= 30 GMAC/s"),
@@ -150,3 +152,14 @@ def chart(records: list[dict], path: Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
+
+
+def write_reports(out: Path, records: list[dict], machine: dict, p: BenchParams) -> None:
+    """Stage arm-bench's outputs: the metrics ``out`` (``reports/bench.json``), the machine and parameters beside it
+    (``bench_machine.json``), the markdown table (``.md``) and the chart (``.png``)."""
+    result = metrics(records)
+    write_json(out, result)
+    write_json(out.with_name(f"{out.stem}_machine.json"),
+               {"stage": "arm-bench", "machine": machine, "params": asdict(p), **versions()})
+    write_text(out.with_suffix(".md"), markdown(records, result["summary"], machine, p))
+    chart(records, out.with_suffix(".png"))

@@ -10,7 +10,7 @@ the same loop: bf16 autocast (``torch.autocast("cpu", dtype=torch.bfloat16)`` ar
 fp32) and ``torch.compile`` (inductor); for each, how far the KL and the gradients land from fp32 (relative).
 Usage (after the upstream stages):
 
-    .venv/bin/python benchmarks/qat_throughput.py [--format s3d8] [--threads 1 2] [--steps 8] [--no-compile]
+    .venv/bin/python -m pipeline.bench.qat_throughput [--format s3d8] [--threads 1 2] [--steps 8] [--no-compile]
 
 Writes reports/qat_throughput.json and reports/qat_throughput.md.
 """
@@ -18,7 +18,6 @@ Writes reports/qat_throughput.json and reports/qat_throughput.md.
 from __future__ import annotations
 
 import argparse
-import platform
 import signal
 import statistics
 import time
@@ -28,6 +27,7 @@ import torch
 
 import pipeline.toy  # noqa: F401  (the toy image pool of the teacher answers)
 from pipeline import formats, params, ptq
+from pipeline.bench import machine
 from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.fit import check_states
 from pipeline.io import write_json, write_text
@@ -108,19 +108,6 @@ def _compare(name: str, variant, fp32, batches: list, steps: int, bf16: bool = F
             "same_results": max(loss) <= LOSS_RTOL and max(grad) <= GRAD_RTOL}
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> list[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((l.split(":", 1)[1].split() for l in text.splitlines() if l.startswith("flags")), [])
-    return sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
-
-
 def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_limit_s: int) -> dict:
     torch.set_num_threads(threads)
     p = params.load(QATParams, "qat", params_path)
@@ -192,13 +179,29 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
     step_cache = med["collate"] + med["teacher cache gather"] + student_s
     step_forward = med["collate"] + med["teacher forward"] + student_s
     tok = statistics.mean(tokens)
+    rest = med["collate"] + med["teacher cache gather"] + med["optimizer"]
+    levers = _levers(student, train_set, processor, p, cache, steps, rest, tok, compile_limit_s)
+    return {"threads": threads, "steps_timed": steps, "batch_size": p.batch_size,
+            "tokens_per_step": tok, "padded_tokens_per_step": statistics.mean(padded),
+            "seconds": {k: round(v, 5) for k, v in med.items()},
+            "qat_step_s": {"teacher_cache": round(step_cache, 5), "teacher_forward": round(step_forward, 5)},
+            "tokens_per_s": {"teacher_cache": round(tok / step_cache, 1), "teacher_forward": round(tok / step_forward, 1),
+                             "plain_step": round(tok / (med["collate"] + med["teacher forward"] + plain_s), 1)},
+            "overhead_vs_plain": round(student_s / plain_s, 3),
+            "fake_quant_forward_s": round(med["student forward"] - med["plain forward"], 5),
+            "teacher_cache": {"seconds": round(cache_s, 2), "bytes": cache_bytes, "sequences": len(cache)},
+            "ptq_start_s": round(start_s, 2), "levers": levers}
+
+
+def _levers(student, train_set, processor, p, cache, steps: int, rest: float, tok: float, compile_limit_s: int) -> dict:
+    """bf16 autocast and torch.compile timed against the fp32 student on the same batches (``rest``: the step's
+    collate, cache gather and optimizer seconds, added to each lever's forward + KL + backward)."""
     batches = []                                    # the same batches again, for the levers
     for step in range(steps + 1):
         picked = batch_indices(len(train_set), p.batch_size, step, p.seed)
         batch = collate([train_set[i] for i in picked], processor, p.max_seq_len)
         keep = batch.pop("loss_mask").bool()
         batches.append((batch, keep, torch.cat([cache[i] for i in picked])))
-    rest = med["collate"] + med["teacher cache gather"] + med["optimizer"]
     levers = {"autocast_bf16": _compare("autocast", student, student, batches, steps, bf16=True)}
     if compile_limit_s:
         t0 = time.perf_counter()
@@ -214,16 +217,7 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
         if lever["ok"]:
             lever["qat_step_s"] = {"teacher_cache": round(rest + lever["step_s"], 5)}
             lever["tokens_per_s"] = {"teacher_cache": round(tok / (rest + lever["step_s"]), 1)}
-    return {"threads": threads, "steps_timed": steps, "batch_size": p.batch_size,
-            "tokens_per_step": tok, "padded_tokens_per_step": statistics.mean(padded),
-            "seconds": {k: round(v, 5) for k, v in med.items()},
-            "qat_step_s": {"teacher_cache": round(step_cache, 5), "teacher_forward": round(step_forward, 5)},
-            "tokens_per_s": {"teacher_cache": round(tok / step_cache, 1), "teacher_forward": round(tok / step_forward, 1),
-                             "plain_step": round(tok / (med["collate"] + med["teacher forward"] + plain_s), 1)},
-            "overhead_vs_plain": round(student_s / plain_s, 3),
-            "fake_quant_forward_s": round(med["student forward"] - med["plain forward"], 5),
-            "teacher_cache": {"seconds": round(cache_s, 2), "bytes": cache_bytes, "sequences": len(cache)},
-            "ptq_start_s": round(start_s, 2), "levers": levers}
+    return levers
 
 
 def verdict(name: str, lever: dict) -> str:
@@ -303,7 +297,7 @@ AT_11B = """## The levers at the 11B preset (configs/llama-3.2-11b-vision.yaml)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.qat_throughput", description=__doc__.splitlines()[0])
     parser.add_argument("--format", default="s3d8")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=8)
@@ -316,7 +310,7 @@ def main() -> None:
     args = parser.parse_args()
     import os
 
-    result = {"format": args.format, "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+    result = {"format": args.format, "cpu": machine.describe()["cpu"], "cpu_flags": machine.describe()["flags"], "cores": os.cpu_count(),
               "torch": torch.__version__, "runs": [measure(args.format, t, args.steps, args.params, 0 if args.no_compile else args.compile_limit)
                                                                    for t in args.threads],
               "note": args.note, "at_11b": AT_11B}

@@ -1,10 +1,10 @@
 """The skeleton on one CUDA GPU: the direct cast that QAT starts from, a few QAT steps from it, a teacher-generate
 shard; throughput and peak GPU memory of each.
 
-    benchmarks/gpu_check.sh [--out FILE] [--preset full] [--method gptq] [--steps 4] [--batch 4] [--seq 512]
-    benchmarks/gpu_check.sh --device cpu --preset tiny --steps 1 --batch 2 --seq 64    # the same code, no GPU
+    pipeline/bench/gpu_check.sh [--out FILE] [--preset full] [--method gptq] [--steps 4] [--batch 4] [--seq 512]
+    pipeline/bench/gpu_check.sh --device cpu --preset tiny --steps 1 --batch 2 --seq 64    # the same code, no GPU
 
-Builds the 11B-shaped skeleton (``benchmarks/skeleton_11b.py``, preset ``full``: 1.87 B parameters, every width
+Builds the 11B-shaped skeleton (``pipeline/bench/skeleton_11b.py``, preset ``full``: 1.87 B parameters, every width
 of the 11B; it fits one 80 GB GPU: bf16 teacher 3.7 GB + fp32 student, gradients and AdamW 30 GB + activations)
 unless it is already under ``checkpoints/skeleton-11b/<preset>/model``, gives every matrix one S3D8 table (fitted
 once on the embedding: throughput does not depend on the table; ``--fit`` fits each matrix as the pipeline does),
@@ -18,7 +18,7 @@ then on the device:
 - QAT: ``pipeline.qat.train.train`` under FSDP2 on one process (NCCL), bf16 compute, gradient checkpointing,
   from that direct cast (``qat.init: ptq``, the recipe's start), ``--steps`` optimizer steps of ``--batch``
   sequences of ``--seq`` tokens with one image each (the preset's tiles);
-- teacher-generate: ``pipeline.generate.generate_shard`` on a shard of ``--gen-prompts`` prompts, bf16, sampled.
+- teacher-generate: ``pipeline.teacher_generate.generate_shard`` on a shard of ``--gen-prompts`` prompts, bf16, sampled.
 
 Writes a JSON (default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else ``checkpoints/skeleton-11b/gpu_check.json``),
 rewritten after each phase: seconds and ``torch.cuda.max_memory_allocated`` per phase, and the memory model's
@@ -30,15 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from pipeline.bench.gpu_check_cast import cast_check
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NO_GPU_STATUS = 2
 
@@ -111,7 +111,7 @@ class Phases:
 
 def ensure_skeleton(preset: str, fit: bool) -> dict:
     """The skeleton's directory and S3D8 states (built / fitted when absent)."""
-    import skeleton_11b as S
+    from pipeline.bench import skeleton_11b_steps as S
     from pipeline import formats
 
     d = S.dirs(preset)
@@ -136,9 +136,9 @@ def ensure_skeleton(preset: str, fit: bool) -> dict:
 
 
 def shared_table_states(preset: str) -> dict:
-    import skeleton_11b as S
+    from pipeline.bench import skeleton_11b_steps as S
     from pipeline import formats
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.models import meta_model, quantised_weight_names
 
     d = S.dirs(preset)
@@ -147,166 +147,6 @@ def shared_table_states(preset: str) -> dict:
     embed = next(saved for saved in names.values() if saved.endswith("embed_tokens.weight"))
     state = fmt.fit(CheckpointReader(d["model"]).get(embed).float())
     return {saved.removesuffix(".weight"): state for saved in names.values()}
-
-
-# --- the direct cast ------------------------------------------------------------------------------------------
-
-def matrices(config) -> dict[str, tuple[tuple[int, int], bool]]:
-    """``{checkpoint name P (of P.weight): ((d_out, d_in), has X^T X)}`` of a model config: the Linear layers have
-    calibration data, the embeddings do not (as stage calibrate writes it)."""
-    import torch
-
-    from pipeline.models import meta_model, quantised_weight_names
-
-    model = meta_model(config)
-    return {saved.removesuffix(".weight"): (tuple(model.get_submodule(m).weight.shape),
-                                            isinstance(model.get_submodule(m), torch.nn.Linear))
-            for m, saved in quantised_weight_names(model).items()}
-
-
-def synthetic_hessian(d_in: int, device, seed: int = 0):
-    """A full-rank ``X^T X / n`` with correlated channels of different gains (float32, on ``device``)."""
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed + d_in)
-    n = d_in + 1024
-    x = torch.randn(n, d_in, generator=gen, device=device)
-    x += torch.randn(n, 64, generator=gen, device=device) @ torch.randn(64, d_in, generator=gen, device=device) / 8
-    x *= torch.rand(d_in, generator=gen, device=device) * 3 + 0.1
-    return x.T @ x / n
-
-
-def time_of(shape, linear: bool, measured: dict) -> float:
-    """Seconds for a matrix: measured for its shape, else scaled from the measured shape of the nearest cost (GPTQ's
-    ``d_out x d_in^2`` for a Linear, the search's ``d_out x d_in`` for an embedding)."""
-    if shape in measured:
-        return measured[shape]
-
-    def cost(s):
-        return s[0] * s[1] * (s[1] if linear else 1)
-
-    near = min(measured, key=lambda s: abs(math.log(cost(s) / cost(shape))))
-    return measured[near] * cost(shape) / cost(near)
-
-
-def predict_11b(measured: dict[tuple, float], processes: int) -> dict:
-    """The 11B's direct cast from the per-shape seconds: its matrices dealt to ``processes`` as the stage deals
-    them (``pipeline.direct_cast.deal``), the slowest process's seconds."""
-    import skeleton_11b as S
-    from pipeline import direct_cast
-
-    inventory = matrices(S.full_11b_config())
-    group_seconds: dict[str, float] = {}
-    for name, (shape, linear) in inventory.items():
-        g = direct_cast.group_of(name)
-        group_seconds[g] = group_seconds.get(g, 0.0) + time_of(shape, linear, measured)
-    work = direct_cast.deal(group_seconds, processes)
-    return {"matrices": len(inventory), "processes": processes,
-            "unmeasured_shapes": sorted({str(s) for s, _ in inventory.values() if s not in measured}),
-            "seconds": round(max(sum(group_seconds[g] for g in w) for w in work), 1),
-            "seconds_one_process": round(sum(group_seconds.values()), 1)}
-
-
-def cast_check(preset: str, method: str, device, phases: Phases, compare: bool = True) -> dict:
-    """Stage direct-cast's work on ``device``; writes ``<preset>/direct-cast/s3d8`` for :func:`qat_check`."""
-    import skeleton_11b as S
-    from pipeline import direct_cast, formats
-    from pipeline.precision import Precision
-    from pipeline.checkpoint import CheckpointReader
-    from pipeline.io import atomic_dir
-
-    d = S.dirs(preset)
-    fmt = formats.get("s3d8")
-    states = fmt.load_states(d["states"])
-    reader = CheckpointReader(d["model"])
-    inventory = matrices(S.skeleton_config(S.PRESETS[preset]))
-    phases.enter("cast_hessians")
-    hessians = {shape[1]: synthetic_hessian(shape[1], device) for shape, linear in inventory.values() if linear}
-    groups: dict[str, list[str]] = {}
-    for name in inventory:
-        groups.setdefault(direct_cast.group_of(name), []).append(name)
-    phases.exit()
-
-    def weight(name):
-        return reader.get(f"{name}.weight").float().to(device)
-
-    def fitted(name):
-        return {k: v.to(device) for k, v in states[name].items()}
-
-    def hessian(name):
-        shape, linear = inventory[name]
-        return hessians[shape[1]] if linear and method == "gptq" else None
-
-    seconds: dict[str, float] = {}
-    order = [n for g in groups for n in groups[g]]
-    clock = [time.perf_counter()]
-
-    def on_matrix():
-        phases.sync()
-        now = time.perf_counter()
-        seconds[order[len(seconds)]] = now - clock[0]
-        clock[0] = now
-
-    out_dir = d["model"].parent / "direct-cast" / fmt.name
-    phases.enter("cast")
-    with atomic_dir(out_dir) as out:
-        for g, names in groups.items():
-            clock[0] = time.perf_counter()
-            direct_cast.cast_group(Precision(fmt), names, weight, fitted, hessian, method, out / f"{g}.safetensors",
-                                   "gpu-check", on_matrix=on_matrix)
-        direct_cast.write_index(out, Precision(fmt), method, groups, {"device": device.type})
-    phases.exit()
-    by_shape: dict[tuple, list[float]] = {}
-    for name, sec in seconds.items():
-        by_shape.setdefault(inventory[name][0], []).append(sec)
-    measured = {shape: min(v) for shape, v in by_shape.items()}     # the first of a shape carries warm-up
-    result = {"method": method, "device": str(device), "out_dir": str(out_dir), "matrices": len(seconds),
-              "weights": sum(inventory[n][0][0] * inventory[n][0][1] for n in seconds),
-              "seconds": phases.records["cast"]["seconds"],
-              "seconds_by_shape": {str(s): round(v, 3) for s, v in sorted(measured.items())},
-              "predicted_11b": [predict_11b(measured, k) for k in (1, 8)]}
-    if compare:
-        try:
-            result["cpu_vs_device"] = compare_on_cpu(fmt, states, reader, inventory, hessians, method, device)
-        except Exception as e:  # noqa: BLE001  (the cast itself is done: QAT can start from it)
-            result["cpu_vs_device"] = {"error": f"{type(e).__name__}: {e}"}
-    return result
-
-
-def compare_on_cpu(fmt, states, reader, inventory, hessians, method: str, device) -> dict:
-    """One matrix (the smallest square Linear) cast on the CPU (native kernels, every core) and on ``device``:
-    seconds of each and how much of the result agrees."""
-    import torch
-
-    from pipeline import ptq
-
-    name = min((n for n, (s, linear) in inventory.items() if linear and s[0] == s[1]),
-               key=lambda n: inventory[n][0][0])
-    w = reader.get(f"{name}.weight").float()
-    h = hessians[w.shape[1]] if method == "gptq" else None
-    runs = {}
-    for key, where in (("cpu", torch.device("cpu")), ("device", device)):
-        t0 = time.perf_counter()
-        packed, master = ptq.cast(fmt, w.to(where), method=method,
-                                  fitted={k: v.to(where) for k, v in states[name].items()},
-                                  hessian=None if h is None else h.to(where))
-        if where.type == "cuda":
-            torch.cuda.synchronize(where)
-        runs[key] = ({k: v.cpu() for k, v in packed.items()}, master.cpu(), time.perf_counter() - t0)
-    (p_cpu, m_cpu, t_cpu), (p_dev, m_dev, t_dev) = runs["cpu"], runs["device"]
-    hd = (h if h is not None else torch.eye(w.shape[1])).double().cpu()
-
-    def output_error(p):
-        e = (w - fmt.unpack(p, tuple(w.shape))).double()
-        return float(((e @ hd) * e).sum() / ((w.double() @ hd) * w.double()).sum())
-
-    return {"matrix": name, "shape": list(w.shape), "threads": torch.get_num_threads(),
-            "cpu_seconds": round(t_cpu, 3), "device_seconds": round(t_dev, 3),
-            "packed_bytes_equal": float((p_cpu["packed"] == p_dev["packed"]).float().mean()),
-            "scales_equal": float((p_cpu["scale"] == p_dev["scale"]).float().mean()),
-            "tables_equal": bool(torch.equal(p_cpu["table"], p_dev["table"])),
-            "masters_equal": float((m_cpu == m_dev).float().mean()),
-            "relative_output_error_cpu": output_error(p_cpu), "relative_output_error_device": output_error(p_dev)}
 
 
 # --- QAT and generation ---------------------------------------------------------------------------------------
@@ -347,7 +187,7 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     import pipeline.qat.train as qt
     from pipeline.qat.engines import FSDP2Engine
     import pipeline.toy  # noqa: F401  (the toy image pool)
-    import skeleton_11b as S
+    from pipeline.bench import skeleton_11b_steps as S
     from pipeline import formats
     from pipeline.direct_cast import DirectCast
     from pipeline.processes import LaunchParams
@@ -423,8 +263,8 @@ def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: Phase
     import torch
 
     import pipeline.toy  # noqa: F401
-    import skeleton_11b as S
-    from pipeline.generate import GenerateParams, generate_shard
+    from pipeline.bench import skeleton_11b_steps as S
+    from pipeline.teacher_generate import GenerateParams, generate_shard
     from pipeline.params import defaults
     from pipeline.models import load_model, load_processor
 
@@ -451,7 +291,7 @@ def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: Phase
 def predicted(preset: str, batch: int, seq: int, steps: int = 1, response_tokens: int = 0) -> dict:
     """The memory model's QAT bytes for this check's run: with the teacher's logits cached (``qat.teacher_logits:
     cache``, on the GPU) for ``steps x batch`` sequences of ``response_tokens`` scored tokens."""
-    import skeleton_11b as S
+    from pipeline.bench import skeleton_11b_steps as S
 
     cfg = S.skeleton_config(S.PRESETS[preset])
     cache = steps * batch * response_tokens * (cfg.text_config.vocab_size + 1) * 2
@@ -484,7 +324,8 @@ def write_report(files: list[Path], env: str = "") -> None:
     doc = {"runs": runs, "machine": env.strip()}
     REPORT.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = ["# The skeleton on one GPU: direct cast, QAT, teacher-generate", "",
-             "Written by `benchmarks/gpu_check.py --report` from runs of `benchmarks/gpu_check.sh` on a lent GPU "
+             "Written by `python -m pipeline.bench.gpu_check --report` from runs of `pipeline/bench/gpu_check.sh` on a "
+             "lent GPU "
              "machine (numbers: `reports/gpu_check.json`).", ""]
     if env.strip():
         lines += ["```", env.strip(), "```", ""]
@@ -533,9 +374,9 @@ def write_report(files: list[Path], env: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--preset", default="full", help="a preset of benchmarks/skeleton_11b.py (full, qat, tiny)")
+    parser.add_argument("--preset", default="full", help="a preset of pipeline/bench/skeleton_11b.py (full, qat, tiny)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the same code without a GPU (a dry run of this script)")
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"which of {', '.join(CHECKS)}, comma-separated")

@@ -5,7 +5,7 @@ fit-centroids): k = 1 is the direct cast (bf16 activations), k = 0 the teacher, 
 is left before the scores fall. On the paper's 11B model direct cast to S3D8 scores about 0; a toy teacher
 whose scores fall only at k = 2-3 cannot show what QAT recovers in its scores. Usage:
 
-    .venv/bin/python benchmarks/quant_sensitivity.py [--teacher data/toy-teacher] [--formats s3d8 int]
+    .venv/bin/python -m pipeline.bench.quant_sensitivity [--teacher data/toy-teacher] [--formats s3d8 int]
         [--scales 0 0.5 1 1.5 2] [--n 128] [--out reports/quant_sensitivity.json]
 """
 
@@ -26,7 +26,7 @@ from pipeline.toy.tasks import TOY_TASKS
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.quant_sensitivity", description=__doc__.splitlines()[0])
     parser.add_argument("--teacher", default="data/toy-teacher", help="model directory (or hub id)")
     parser.add_argument("--formats", nargs="+", default=["s3d8", "int"], choices=formats.QUANTISED)
     parser.add_argument("--scales", nargs="+", type=float, default=[0.0, 0.5, 1.0, 1.5, 2.0, 3.0])

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader
-from pipeline.hf_config import (BASE_MODEL_TYPES, GUARD_PREFIX, HINT, HINT_KEY, INDEX_NAME, INSTALL, MAX_SHARD_SIZE,
+from pipeline.packed.checkpoint import CheckpointReader
+from pipeline.hf.config import (BASE_MODEL_TYPES, GUARD_PREFIX, HINT, HINT_KEY, INDEX_NAME, INSTALL, MAX_SHARD_SIZE,
                                 MODEL_TYPE, QUANT_FORMAT, WEIGHTS_NAME, guard_model_type, quant_method, saved_config)
-from pipeline.packed import PACKED_VERSION, read_metadata, write_packed
-from pipeline.safetensors_io import TORCH_DTYPES, StreamingWriter, tensor_specs
+from pipeline.packed.file import PACKED_VERSION, read_metadata, write_packed
+from pipeline.packed.safetensors_io import TORCH_DTYPES, StreamingWriter, tensor_specs
 
 
 # --- writing a packed directory -------------------------------------------------------------------------
@@ -77,11 +77,11 @@ def weight_bytes(directory: str | os.PathLike) -> int:
 
 def packed_config(config: dict, where, quantization: dict) -> dict:
     """``config.json`` of a packed directory from its base model's: the guard ``model_type``, the
-    ``quantization_config`` (:func:`pipeline.hf_config.saved_config`) and the install hint."""
+    ``quantization_config`` (:func:`pipeline.hf.config.saved_config`) and the install hint."""
     base = config.get("model_type")
     if base not in BASE_MODEL_TYPES:
         raise ValueError(f"{where}: model_type {base!r}; packed directories are written for "
-                         f"{list(BASE_MODEL_TYPES)} (pipeline.hf_config.BASE_MODEL_TYPES)")
+                         f"{list(BASE_MODEL_TYPES)} (pipeline.hf.config.BASE_MODEL_TYPES)")
     return {**config, "model_type": guard_model_type(base), "quantization_config": quantization,
             HINT_KEY: HINT}
 
@@ -165,7 +165,7 @@ def save_packed(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -
         return
     max_shard_size = convert_file_size_to_int(kwargs.get("max_shard_size", MAX_SHARD_SIZE))
     quantizer = getattr(model, "hf_quantizer", None)
-    if not getattr(quantizer, "source", None):       # what the packed-format quantizer (pipeline.hf) records
+    if not getattr(quantizer, "source", None):       # what the packed-format quantizer (pipeline.hf.quantizer) records
         raise ValueError("save_packed: the model was not loaded from a packed directory by from_pretrained")
     cfg, source = quantizer.quantization_config, quantizer.source
     fmt = formats.packed(cfg.format, QUANT_FORMAT)

@@ -1,4 +1,4 @@
-"""The modules a packed weight becomes at load (``pipeline.packed.load_packed_model``, the Hugging Face
+"""The modules a packed weight becomes at load (``pipeline.packed.file.load_packed_model``, the Hugging Face
 quantizer): decoded once (``eager``), decoded in each forward from the packed bytes (``lazy``), or the native
 kernels on the packed bytes; :func:`packed_layer` chooses and validates."""
 

@@ -24,13 +24,13 @@ stored as BF16, the projector reshaped to ``(n_taps + 1, d_out, d_in)``. Every o
 its packed bytes, table and scale verbatim; every other tensor is stored as BF16. Gate products and merges
 are computed in float32 and rounded to bf16 once (the reference computes them in bf16).
 
-:func:`pipeline.sqt_read.read_sqt` validates everything the engine requires (magic, version, alignment,
+:func:`pipeline.sqt.read.read_sqt` validates everything the engine requires (magic, version, alignment,
 header padding, offsets, dtypes, byte lengths, table values, the tensors the config implies and their shapes,
 metadata and vocab keys) and decodes tensors; any failure is one :class:`SqtError` naming the file and the field.
 
 This module holds the export and the command line; the file's constants and header entries are in
-:mod:`pipeline.sqt_layout`, the config and vocab metadata builders in :mod:`pipeline.sqt_blocks`, the reader
-in :mod:`pipeline.sqt_read`.
+:mod:`pipeline.sqt.container`, the config and vocab metadata builders in :mod:`pipeline.sqt.blocks`, the reader
+in :mod:`pipeline.sqt.read`.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline import layout
+from pipeline.packed import layout
 from pipeline.formats.int8 import LAYOUT as INT8_LAYOUT
-from pipeline.layout import TABLE_SHAPE
+from pipeline.packed.layout import TABLE_SHAPE
 from pipeline.precision import file_formats
-from pipeline.sqt_blocks import model_config_of, config_block, tokenizer_dir, vocab_block
-from pipeline.sqt_layout import DEFAULT_ALIGNMENT, MAGIC, PREFIX_BYTES, VERSION, FORCE_BF16, Entry, SqtError, align
-from pipeline.sqt_read import read_sqt, summary
+from pipeline.sqt.blocks import model_config_of, config_block, tokenizer_dir, vocab_block
+from pipeline.sqt.container import DEFAULT_ALIGNMENT, MAGIC, PREFIX_BYTES, VERSION, FORCE_BF16, Entry, SqtError, align
+from pipeline.sqt.read import read_sqt, summary
 
 ENGINE_DTYPES = {layout.NAME: "S3D8", INT8_LAYOUT: "INT8"}
 """The engine's dtype of each packed layout it reads (a precision plan's INT8 weights included)."""
@@ -264,7 +264,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str |
                 else datetime.datetime.now(datetime.timezone.utc))
         created = when.isoformat(timespec="seconds")
     from pipeline import formats
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.packed.checkpoint import CheckpointReader
 
     if alignment < 1 or alignment & (alignment - 1):
         raise SqtError(f"alignment {alignment}: must be a power of two")

@@ -5,9 +5,9 @@ Two kinds of packed file run here:
 - the pipeline's packed S3D8 Mllama (``models/packed/s3d8/*.safetensors``, SPEC section 7): rebuilt by
   ``load_packed_model(path, kernel="native")`` (every Linear of the language and vision models, the
   projector and ``lm_head`` is a ``native.S3D8Linear``), its embedding swapped for
-  :class:`~pipeline.runtime_models.S3D8RowEmbedding` (decodes only the looked-up rows);
+  :class:`~pipeline.runtime.models.S3D8RowEmbedding` (decodes only the looked-up rows);
 - text-only Llama files (``pipeline/synthetic.py``: ``s3d8``, and the ``int8`` / ``bf16`` baselines),
-  run by :class:`~pipeline.runtime_models.LeanLlama`, a small Llama decoder of our own over the packed tensors (or, with
+  run by :class:`~pipeline.runtime.models.LeanLlama`, a small Llama decoder of our own over the packed tensors (or, with
   ``impl="hf"``, by Hugging Face's ``LlamaForCausalLM`` with the same native modules swapped in).
 
 Generation, greedy or sampled (temperature, top-k, top-p, seeded), with a KV cache, two ways:
@@ -15,7 +15,7 @@ Generation, greedy or sampled (temperature, top-k, top-p, seeded), with a KV cac
 - ``impl="hf"``: Hugging Face ``generate`` (its ``DynamicCache``, logits processors, stopping criteria);
 - ``impl="lean"`` (the default): our own loop. The prompt runs on torch (Llama files: our decoder with a
   preallocated float32 KV cache, RoPE tables and ``scaled_dot_product_attention``; Mllama files: the HF model,
-  ``logits_to_keep=1``), then every decode token is one C call (:mod:`pipeline.decode_step`: the whole layer
+  ``logits_to_keep=1``), then every decode token is one C call (:mod:`pipeline.runtime.decode_step`: the whole layer
   loop over the same weights and caches, no torch call per operation). ``pipeline/bench/generate.py`` measures
   both loops (``reports/bench_generate.md``).
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.runtime_models import (LeanLlama, RuntimeInputError, hf_llama, hf_mllama, mllama_step, model_kind,
+from pipeline.runtime.models import (LeanLlama, RuntimeInputError, hf_llama, hf_mllama, mllama_step, model_kind,
                                      read_header)
 
 IMPLS = ("lean", "hf")
@@ -103,8 +103,8 @@ def _finish(tokens, prompt_tokens, t0, stamps) -> Result:
 
 def begin(model, inputs: dict, positions: int):
     """The prompt's forward: ``(logits of its last position, decoder)``, ``decoder.step(token, pos)`` the logits
-    of ``token`` at ``pos`` in one C call (:class:`~pipeline.decode_step.DecodeStep`; several such decoders over
-    the same weights step together in :func:`~pipeline.decode_step.step_batch`). ``model``: a :class:`LeanLlama`
+    of ``token`` at ``pos`` in one C call (:class:`~pipeline.runtime.decode_step.DecodeStep`; several such decoders over
+    the same weights step together in :func:`~pipeline.runtime.decode_step.step_batch`). ``model``: a :class:`LeanLlama`
     (its cache grown to ``positions`` if smaller) or a packed HF Mllama (a C decoder with caches of ``positions``
     built from the prompt's)."""
     ids = inputs["input_ids"].reshape(-1)

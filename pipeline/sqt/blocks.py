@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.sqt_layout import SqtError
+from pipeline.sqt.container import SqtError
 
 
 def _json_file(path: Path) -> dict | None:

@@ -1,13 +1,13 @@
 """Hugging Face model directories of packed models loaded with ``from_pretrained``: the quantizer registered
-with transformers (its config in :mod:`pipeline.hf_config`; :mod:`pipeline.hf_write` writes the directories and
+with transformers (its config in :mod:`pipeline.hf.config`; :mod:`pipeline.hf.write` writes the directories and
 saves a loaded model again).
 
 A packed model directory (``models/packed/<format>/<method>/``) holds ``config.json`` (the teacher's config
 with ``model_type`` ``s3d8-pipeline-<base model_type>``, :func:`guard_model_type`, a ``quantization_config``
 and the install hint :data:`HINT_KEY`), the processor files, ``generation_config.json``, a model card
 ``README.md`` and the packed weights of SPEC section 7: ``model.safetensors`` (exactly what
-:func:`pipeline.packed.write_packed` writes, so the Llama-Mobile reference loader and
-:func:`pipeline.packed.load_packed_model` read it as before) or, above ``max_shard_size``, shards of the same
+:func:`pipeline.packed.file.write_packed` writes, so the Llama-Mobile reference loader and
+:func:`pipeline.packed.file.load_packed_model` read it as before) or, above ``max_shard_size``, shards of the same
 tensors and metadata listed in ``model.safetensors.index.json``.
 
 Once ``pipeline`` is imported (see ``pipeline/__init__.py``), ``AutoModelForImageTextToText.from_pretrained(dir)``
@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 from pathlib import Path
 
 import torch
@@ -44,15 +43,16 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 # hf_write as a module, not its names: it may be mid-import when transformers loads and runs the registration
 # (pipeline/__init__.py) that imports this module
-from pipeline import formats, hf_config, hf_write
-from pipeline.hf_config import (BASE_MODEL_TYPES, INDEX_NAME, QUANT_FORMAT, guard_model_type, quant_method,
+from pipeline import formats
+from pipeline.hf import config as hf_config, write as hf_write
+from pipeline.hf.config import (BASE_MODEL_TYPES, INDEX_NAME, QUANT_FORMAT, guard_model_type, quant_method,
                                 saved_config)
 from pipeline.models import checkpoint_names
-from pipeline.packed import PACKED_VERSION, packed_format, plan_packed, read_metadata
+from pipeline.packed.file import PACKED_VERSION, packed_format, plan_packed, read_metadata
 from pipeline.precision import file_formats
-from pipeline.packed_modules import DECODES, check_kernel, packed_layer
+from pipeline.packed.modules import DECODES, check_kernel, packed_layer
 from pipeline.recipe import replace
-from pipeline.safetensors_io import TORCH_DTYPES, tensor_specs
+from pipeline.packed.safetensors_io import TORCH_DTYPES, tensor_specs
 
 _packed = formats.packed
 
@@ -293,8 +293,8 @@ class PackedHfQuantizer(HfQuantizer):
 
     def is_serializable(self, **kwargs) -> bool:
         # reached only through transformers' own PreTrainedModel.save_pretrained, which would drop the layout
-        logger.warning("a packed model is saved by model.save_pretrained(dir) as pipeline.hf_write.save_packed "
-                       "installs it at load; call pipeline.hf_write.save_packed(model, dir) directly")
+        logger.warning("a packed model is saved by model.save_pretrained(dir) as pipeline.hf.write.save_packed "
+                       "installs it at load; call pipeline.hf.write.save_packed(model, dir) directly")
         return False
 
     @property
@@ -356,7 +356,7 @@ def _refuse_unloaded(model, checkpoint_files, load_config) -> None:
            "the quant_method and format pack-safetensors wrote").replace("'", '"')
     raise ValueError(f"{file} holds weights packed by s3d8-pipeline ({what}), but {config_json} {problem}, so "
                      f"transformers would load random weights in their place; set quantization_config to {fix}, "
-                     f"or load the file with pipeline.packed.load_packed_model")
+                     f"or load the file with pipeline.packed.file.load_packed_model")
 
 
 def _install_load_check() -> None:
@@ -369,7 +369,7 @@ def _install_load_check() -> None:
         return
     signature = inspect.signature(func)
     if not {"model", "checkpoint_files", "load_config"} <= set(signature.parameters):
-        raise RuntimeError(f"pipeline.hf: PreTrainedModel._load_pretrained_model{signature} of this transformers "
+        raise RuntimeError(f"pipeline.hf.quantizer: PreTrainedModel._load_pretrained_model{signature} of this transformers "
                            f"has no (model, checkpoint_files, load_config): the check that refuses packed weights "
                            f"without their quantizer cannot be installed")
 
@@ -403,18 +403,3 @@ def register() -> None:
 
 register()
 
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m pipeline.hf", description="packed model directories")
-    sub = parser.add_subparsers(dest="command", required=True)
-    card = sub.add_parser("card", help="write a packed directory's model card with this run's scores")
-    card.add_argument("directory")
-    card.add_argument("--eval", default="reports/eval.json")
-    card.add_argument("--out", default=None, help="default: DIRECTORY/README.md")
-    args = parser.parse_args()
-    try:
-        print(hf_write.fill_card(args.directory, args.eval, args.out))
-    except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"pipeline.hf: {e}")

@@ -28,7 +28,7 @@ Methods: ``absmax`` (today's cast), ``search`` (scale search, unweighted), ``sea
 weighted by the calibration importance ``diag(H)``), ``gptq`` (GPTQ with the calibration Hessian, on top
 of ``search_w``; its cost includes ``search_w``'s). Usage:
 
-    .venv/bin/python benchmarks/real_weights.py [--model minilm|antiberty] [--layers 0 2 5] [--threads 1]
+    .venv/bin/python -m pipeline.bench.real_weights [--model minilm|antiberty] [--layers 0 2 5] [--threads 1]
         [--json reports/real_weights.json] [--md reports/real_weights.md]
 """
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import threading
 import time
@@ -46,10 +45,7 @@ import torch
 
 from pipeline import formats, ptq
 from pipeline.formats import numerics, s3d8, scalar
-from pipeline.params import defaults
-
-DEFAULT_METHOD = defaults(ptq.PackParams, "pack").method
-"""The pipeline's post-training method (``pack.method`` in params.yaml)."""
+from pipeline.bench.real_weights_report import DEFAULT_METHOD, METHODS, markdown, summarise
 
 KINDS = {
     "attention.self.query": "attn.q", "attention.self.key": "attn.k", "attention.self.value": "attn.v",
@@ -57,7 +53,6 @@ KINDS = {
 }
 EMBEDDINGS = {"embeddings.word_embeddings.weight": "emb.word",
               "embeddings.position_embeddings.weight": "emb.position"}
-METHODS = ("absmax", "search", "search_w", "gptq")
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 # Public therapeutic antibody variable domains (trastuzumab, adalimumab): heavy and light chains.
 CHAINS = (
@@ -256,7 +251,7 @@ def kurtosis(state: dict, layers) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.real_weights", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="minilm")
     parser.add_argument("--layers", nargs="+", type=int, default=None,
                         help="encoder layers (default: minilm 0 2 5, antiberty 0 4 7)")
@@ -293,18 +288,38 @@ def main() -> None:
 
     matrices = {f"{prefix}.{i}.{k}.weight": (KINDS[k], f"encoder.layer.{i}.{k}") for i in args.layers for k in KINDS}
     matrices.update({name: (kind, None) for name, kind in EMBEDDINGS.items()})
+    rows = cast_rows(state, matrices, h_cal, h_eval, args.formats, args.seed)
+    summary = summarise(rows, args.formats)
+    reference = gaussian_reference(args.seed)
+    result = {"model": MODELS[args.model]["title"], "model_key": args.model, "text": MODELS[args.model]["text"],
+              "layers": args.layers,
+              "sequences": args.sequences, "seed": args.seed, "threads": args.threads,
+              "default_method": DEFAULT_METHOD, "alphas": list(numerics.ALPHAS), "rounds": numerics.ROUNDS,
+              "calibration_seconds": round(calib_s, 2), "gaussian_reference": reference,
+              "kurtosis": kurtosis(state, args.layers),
+              "summary": summary, "rows": rows,
+              "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.md).write_text(markdown(result) + "\n")
+    print(markdown(result))
+
+
+def cast_rows(state: dict, matrices: dict, h_cal: dict, h_eval: dict, fmts: list[str], seed: int) -> list[dict]:
+    """Every matrix cast by every format and method: its weight error, output error on the held-out
+    activations, seconds and peak extra memory."""
     rows = []
     for name, (kind, module) in matrices.items():
         w = state[name].float()
         hc, he = (h_cal[module].double(), h_eval[module].double()) if module else (None, None)
-        for fmt_name in args.formats:
+        for fmt_name in fmts:
             start, table, absmax_cost, search_w_cost = None, None, (0.0, 0.0), (0.0, 0.0)
             for method in METHODS:
                 if module is None and method in ("search_w", "gptq"):
                     continue                 # an embedding's input is one-hot: no input-channel weighting
                 with PeakRSS() as mem:
                     t = time.perf_counter()
-                    q, extra = cast(fmt_name, w, method, hc.float() if hc is not None else None, args.seed,
+                    q, extra = cast(fmt_name, w, method, hc.float() if hc is not None else None, seed,
                                     start, table)
                     seconds = time.perf_counter() - t
                 mib = mem.mib
@@ -328,157 +343,7 @@ def main() -> None:
                 print(f"{name:55s} {fmt_name:9s} {method:8s} weight {row['err'] / row['energy']:.4f}"
                       + (f"  output {row['out_err'] / row['out_energy']:.4f}" if he is not None else "")
                       + f"  {seconds:6.2f} s {mib:6.1f} MiB", flush=True)
-    summary = summarise(rows, args.formats)
-    reference = gaussian_reference(args.seed)
-    result = {"model": MODELS[args.model]["title"], "model_key": args.model, "text": MODELS[args.model]["text"],
-              "layers": args.layers,
-              "sequences": args.sequences, "seed": args.seed, "threads": args.threads,
-              "default_method": DEFAULT_METHOD, "alphas": list(numerics.ALPHAS), "rounds": numerics.ROUNDS,
-              "calibration_seconds": round(calib_s, 2), "gaussian_reference": reference,
-              "kurtosis": kurtosis(state, args.layers),
-              "summary": summary, "rows": rows,
-              "versions": {"torch": torch.__version__, "python": platform.python_version()}}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    Path(args.md).write_text(markdown(result) + "\n")
-    print(markdown(result))
-
-
-def summarise(rows, fmts) -> dict:
-    """Per kind (and ``all``): energy-weighted relative errors, per format and method, and the bar."""
-    kinds = list(dict.fromkeys(r["kind"] for r in rows)) + ["all"]
-    out = {}
-    for kind in kinds:
-        sel = [r for r in rows if kind == "all" or r["kind"] == kind]
-        cell = {}
-        for f in fmts:
-            for m in METHODS:
-                rs = [r for r in sel if r["format"] == f and r["method"] == m]
-                if not rs:
-                    continue
-                c = {"weight": sum(r["err"] for r in rs) / sum(r["energy"] for r in rs),
-                     "seconds": sum(r["seconds"] for r in rs), "peak_mib": max(r["peak_mib"] for r in rs),
-                     "matrices": len(rs)}
-                if all("out_err" in r for r in rs):
-                    c["output"] = sum(r["out_err"] for r in rs) / sum(r["out_energy"] for r in rs)
-                cell[f"{f}/{m}"] = c
-        # mean over the kind's matrices of each matrix's relative error (every matrix counts the same)
-        for key, c in cell.items():
-            f, m = key.split("/")
-            rs = [r for r in sel if r["format"] == f and r["method"] == m]
-            c["weight_mean"] = sum(r["err"] / r["energy"] for r in rs) / len(rs)
-        # weight error: the default without calibration data is the (unweighted) search; every other format at
-        # its best weight-space scaling
-        default = cell["s3d8/search"]["weight"]
-        best_other = {f: min(cell[f"{f}/{m}"]["weight"] for m in ("absmax", "search")) for f in fmts if f != "s3d8"}
-        out[kind] = {"cells": cell, "bar": {
-            "s3d8_default": default, "best_other": best_other,
-            "below_every_other": all(default < v for v in best_other.values()),
-            "reduction_vs_absmax": 1 - default / cell["s3d8/absmax"]["weight"],
-            "reduction_30pct": default <= 0.7 * cell["s3d8/absmax"]["weight"],
-            "reduction_vs_absmax_mean": 1 - cell["s3d8/search"]["weight_mean"] / cell["s3d8/absmax"]["weight_mean"],
-            "below_every_other_mean": all(cell["s3d8/search"]["weight_mean"] < min(
-                cell[f"{f}/{m}"]["weight_mean"] for m in ("absmax", "search")) for f in fmts if f != "s3d8")}}
-        # output error (what the default, gptq with calibration data, minimises): every format at its best method
-        if all("output" in c for c in cell.values()):
-            d = cell[f"s3d8/{DEFAULT_METHOD}"]["output"]
-            others = {f: min(cell[f"{f}/{m}"]["output"] for m in METHODS) for f in fmts if f != "s3d8"}
-            out[kind]["output_bar"] = {"s3d8_default": d, "best_other": others,
-                                       "below_every_other": all(d < v for v in others.values()),
-                                       "reduction_vs_absmax": 1 - d / cell["s3d8/absmax"]["output"]}
-    return out
-
-
-def markdown(result) -> str:
-    s = result["summary"]
-    fmts = list(dict.fromkeys(k.split("/")[0] for k in s["all"]["cells"]))
-    lines = [f"# Post-training casts on real weights: {result['model']}", "",
-             f"Encoder layers {result['layers']} (q, k, v, o, up, down) and the word/position embeddings; "
-             f"{result['sequences']} calibration and {result['sequences']} held-out "
-             f"{result.get('text', 'antibody-like sequences')}; "
-             f"one thread. Written by `benchmarks/real_weights.py`.", "",
-             "## Weight error ||W - Q(W)||^2 / ||W||^2 (energy-weighted per kind)", "",
-             "| kind | " + " | ".join(f"{f} absmax | {f} search" for f in fmts) + " |",
-             "| --- |" + " --- |" * (2 * len(fmts))]
-    for kind, v in s.items():
-        c = v["cells"]
-        lines.append(f"| {kind} | " + " | ".join(f"{c[f'{f}/absmax']['weight']:.4f} | {c[f'{f}/search']['weight']:.4f}"
-                                                  for f in fmts) + " |")
-    lines += ["", "## The bar on the weight error (S3D8 `search`: the default method without calibration data)", "",
-              "Energy-weighted over the kind's matrices (first columns) and the plain mean of the matrices' "
-              "relative errors (last two: every matrix counts the same).", "",
-              "| kind | S3D8 search | best other (format, best scaling) | below every other | "
-              "reduction vs S3D8 absmax | >= 30 % | mean: below every other | mean: reduction vs absmax |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for kind, v in s.items():
-        b = v["bar"]
-        f, e = min(b["best_other"].items(), key=lambda kv: kv[1])
-        lines.append(f"| {kind} | {b['s3d8_default']:.4f} | {e:.4f} ({f}) | {'yes' if b['below_every_other'] else 'NO'} "
-                     f"| {100 * b['reduction_vs_absmax']:.1f} % | {'yes' if b['reduction_30pct'] else 'NO'} "
-                     f"| {'yes' if b.get('below_every_other_mean') else 'NO'} "
-                     f"| {100 * b.get('reduction_vs_absmax_mean', float('nan')):.1f} % |")
-    if any("output_bar" in v for v in s.values()):
-        lines += ["", f"## The bar on the output error (S3D8 with the default method `{result['default_method']}`, "
-                  "held-out activations)", "",
-                  "| kind | S3D8 default | best other (format, best method) | below every other | "
-                  "reduction vs S3D8 absmax |", "| --- | --- | --- | --- | --- |"]
-        for kind, v in s.items():
-            if "output_bar" not in v:
-                continue
-            b = v["output_bar"]
-            f, e = min(b["best_other"].items(), key=lambda kv: kv[1])
-            lines.append(f"| {kind} | {b['s3d8_default']:.4f} | {e:.4f} ({f}) | "
-                         f"{'yes' if b['below_every_other'] else 'NO'} | {100 * b['reduction_vs_absmax']:.1f} % |")
-    lines += ["", "## Output error tr(dW H dW^T) / tr(W H W^T) on held-out activations (linear layers)", "",
-              "| kind | " + " | ".join(f"{f} {m}" for f in fmts for m in METHODS) + " |",
-              "| --- |" + " --- |" * (len(fmts) * len(METHODS))]
-    for kind, v in s.items():
-        c = v["cells"]
-        if not all("output" in c.get(f"{f}/{m}", {}) for f in fmts for m in METHODS):
-            continue
-        lines.append(f"| {kind} | " + " | ".join(f"{c[f'{f}/{m}']['output']:.4f}" for f in fmts for m in METHODS) + " |")
-    lines += ["", "## Cost (all matrices above, one thread; gptq includes its search_w)", "",
-              "| format | method | seconds | peak extra MiB (one matrix) |", "| --- | --- | --- | --- |"]
-    for f in fmts:
-        for m in METHODS:
-            sec = sum(v["cells"][f"{f}/{m}"]["seconds"] for k, v in s.items() if k != "all" and f"{f}/{m}" in v["cells"])
-            mib = s["all"]["cells"].get(f"{f}/{m}", {}).get("peak_mib")
-            lines.append(f"| {f} | {m} | {sec:.1f} | {mib} |")
-    lines.append(f"\nCalibration (two passes of {result['sequences']} sequences, Hessians kept): "
-                 f"{result['calibration_seconds']} s.")
-    lines += ["", "Seconds and memory are per-process measurements on a shared 2-core machine (one torch thread): "
-              "expect noise. Peak extra MiB is the growth of the resident set while a method runs, a lower "
-              "bound (the allocator reuses freed pages); the working set of `search` is a few float32 copies "
-              "of the matrix plus bounded encoder blocks (32 MiB), that of `gptq` adds the d_in x d_in Hessian "
-              "in float64 (three copies) and its Cholesky factor."]
-    g = result["gaussian_reference"]
-    lines += ["", "Row kurtosis (mean over rows, Gaussian 3): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in result.get("kurtosis", {}).items()) + "."]
-    lines += ["", "## Reference: i.i.d. Gaussian weights (relative error)", "",
-              f"S3D8 absmax {g['s3d8_absmax']:.4f}, S3D8 search {g['s3d8_search']:.4f}; k-means bounds on Gaussian "
-              f"3-vectors: S3D8 structure (32 centroids of absolute values + signs, ideal scale) "
-              f"{g['bound_s3d8_structure']:.4f}, any 8-bit code for 3 weights (256 free centroids) "
-              f"{g['bound_any_8bit_code']:.4f}.",
-              "",
-              "## Notes", ""]
-    if result.get("model_key", "antiberty") == "antiberty":
-        lines += ["- AntiBERTy is a protein-language BERT, not a vision-language model; its matrices are close to "
-                  "Gaussian (row kurtosis near 3, above), unlike LLM weights with outlier channels, where clipping "
-                  "gains more."]
-    else:
-        lines += ["- all-MiniLM-L6-v2 is an English text encoder, not a vision-language model, but its weights have "
-                  "the outlier rows of LLM weights (row kurtosis above; the FFN output projections above all)."]
-    lines += ["- On Gaussian weights the S3D8 absmax cast is already within a few per cent of the k-means bound "
-              "of its own structure, and any code spending 8 bits on 3 weights (256 free centroids) is only "
-              "about 9 % below it: no scaling method can take the weight error 30 % below S3D8 absmax on such weights.",
-              "- The output error is the measure that decides a direct cast's quality; GPTQ trades a larger "
-              "weight error for a much smaller output error"
-              + (". Held-out and calibration sequences are variants of the same four antibody chains, so its "
-                 "held-out gain is optimistic." if result.get("model_key", "antiberty") == "antiberty" else
-                 "; calibration and held-out passages are disjoint."),
-              "- `search` is unweighted, `search_w` weights by diag(X^T X) of the calibration set, `gptq` uses "
-              "the calibration X^T X (damped 1 %) on top of `search_w`."]
-    return "\n".join(lines)
+    return rows
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Target (issue 2): encoding >= 20 million weights per second on one core, with bounded temporaries;
 fitting (2^22-vector subsample) in seconds per matrix. Usage:
 
-    .venv/bin/python benchmarks/bench_formats.py [--shape 4096x14336] [--out reports/format_bench.json]
+    .venv/bin/python -m pipeline.bench.bench_formats [--shape 4096x14336] [--out reports/format_bench.json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pipeline.io import write_json
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.bench_formats", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="4096x14336", help="d_out x d_in of the benchmark matrix")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the results as JSON here")

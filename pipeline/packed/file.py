@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from pipeline import formats
-from pipeline.checkpoint import CheckpointReader
+from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.formats import FormatBase
 from pipeline.models import checkpoint_names, meta_model
-from pipeline.packed_modules import DECODES, check_finite, check_kernel, packed_layer
+from pipeline.packed.modules import DECODES, check_finite, check_kernel, packed_layer
 from pipeline.precision import file_formats
 from pipeline.recipe import quantised_modules, replace
-from pipeline.safetensors_io import DTYPES, StreamingWriter
+from pipeline.packed.safetensors_io import DTYPES, StreamingWriter
 
 PACKED_VERSION = "1"
 
@@ -356,7 +356,7 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     packed tensors and decode in each forward, embeddings only the rows looked up, a Linear above 64M
     weights a block of rows at a time: same numbers, memory about the file's size). ``kernel="native"`` (S3D8, INT8): the native kernels on the packed bytes for
     linear layers; embeddings follow ``decode``. ``private``: the file's tensors read into private memory, not
-    mapped (:class:`~pipeline.checkpoint.CheckpointReader`), for a model kept for a process's lifetime."""
+    mapped (:class:`~pipeline.packed.checkpoint.CheckpointReader`), for a model kept for a process's lifetime."""
     if decode not in DECODES:
         raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODES)}")
     reader = CheckpointReader(path, private=private)

@@ -1,6 +1,6 @@
 """The names of a packed Hugging Face directory: the guard ``model_type`` that makes plain transformers refuse it
 loudly, the install hint, the weight-file names, the saved ``quantization_config``. The lowest floor of the
-Hugging Face integration, below the writer (:mod:`pipeline.hf_write`) and the quantizer (:mod:`pipeline.hf`);
+Hugging Face integration, below the writer (:mod:`pipeline.hf.write`) and the quantizer (:mod:`pipeline.hf.quantizer`);
 it imports no transformers, so that importing it never runs the registration (``pipeline/__init__.py``) halfway."""
 
 from __future__ import annotations

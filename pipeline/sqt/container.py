@@ -1,5 +1,5 @@
-"""The ``.sqt`` v3 file's layout (SPEC section 9), shared by the exporter (:mod:`pipeline.sqt`) and the reader
-(:mod:`pipeline.sqt_read`): the prefix constants and dtypes, the metadata keys the engine requires, a header
+"""The ``.sqt`` v3 file's layout (SPEC section 9), shared by the exporter (:mod:`pipeline.sqt.write`) and the reader
+(:mod:`pipeline.sqt.read`): the prefix constants and dtypes, the metadata keys the engine requires, a header
 entry and its byte length, and :class:`SqtError`. It imports no other ``sqt`` module, so both sides can."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pipeline.layout import packed_shape
+from pipeline.packed.layout import packed_shape
 
 MAGIC = b".sqt"
 VERSION = 3

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from pipeline import formats
-from pipeline.io import atomic_path
+from pipeline.eval.text import corpus_info
+from pipeline.io import atomic_dir, atomic_path, write_json, write_text
 
 # SPEC section 6: Llama 3.2 11B Vision Instruct, published.
 PUBLISHED = [
@@ -152,3 +155,25 @@ def plot_scores(result: dict, path: str | Path, key: str = "avg", ylabel: str = 
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
+
+
+def write_reports(result: dict, baselines: dict, answers: dict, tasks: list[str], teacher_name: str) -> None:
+    """Stage eval's outputs: ``reports/eval.json``, ``eval_baselines.json``, the per-model answers
+    (``reports/answers/<model>.parquet``), ``eval_scores.csv``, ``summary.md`` and ``eval_plot.png`` (a text-only
+    teacher's: KL, top-1 agreement and perplexity, with a generation sample per model)."""
+    with atomic_dir("reports/answers") as out:
+        for name, table in answers.items():
+            pq.write_table(table, out / f"{name}.parquet")
+    write_json("reports/eval.json", result)
+    write_json("reports/eval_baselines.json", {"blind": baselines})
+    if any("perplexity" in m for m in result["models"].values()):      # a text-only teacher
+        samples = {name: (t.column("prompt")[0].as_py(), t.column("response")[0].as_py())
+                   for name, t in answers.items()}
+        write_text("reports/eval_scores.csv", text_scores_csv(result))
+        write_text("reports/summary.md", text_summary_markdown(result, teacher_name, corpus_info(), samples))
+        plot_scores(result, "reports/eval_plot.png", key="top1_agreement",
+                    ylabel="top-1 agreement with the teacher", title="Top-1 agreement: direct cast vs QAT")
+    else:
+        write_text("reports/eval_scores.csv", scores_csv(result, tasks))
+        write_text("reports/summary.md", summary_markdown(result, tasks, baselines, teacher_name))
+        plot_scores(result, "reports/eval_plot.png")

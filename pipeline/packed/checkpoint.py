@@ -6,7 +6,7 @@ A Hugging Face model directory holds ``model.safetensors`` or shards listed in
 project (fitted states, packed models) use the checkpoint names, so that the 11B model's tensors can
 be streamed without ever building the model; :func:`module_to_checkpoint_names` gives the mapping.
 
-Writing goes through :mod:`pipeline.safetensors_io`.
+Writing goes through :mod:`pipeline.packed.safetensors_io`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.safetensors_io import TORCH_DTYPES, PrivateReader
+from pipeline.packed.safetensors_io import TORCH_DTYPES, PrivateReader
 
 
 
@@ -47,7 +47,7 @@ class CheckpointReader:
     ``model.safetensors``, a FIFO or device, a truncated file, a corrupt header or index) is refused
     when the reader is made, with one ``FileNotFoundError`` / ``ValueError`` naming the file.
 
-    ``private=True``: each tensor read into private memory (:class:`~pipeline.safetensors_io.PrivateReader`) rather
+    ``private=True``: each tensor read into private memory (:class:`~pipeline.packed.safetensors_io.PrivateReader`) rather
     than mapped from the file: what a model that keeps its weights for its lifetime (the runtime's) wants."""
 
     def __init__(self, path: str | os.PathLike, private: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""The models :mod:`pipeline.runtime` generates with, over a packed file's tensors on the native kernels: the lean
+"""The models :mod:`pipeline.runtime.generation` generates with, over a packed file's tensors on the native kernels: the lean
 Llama decoder (:class:`LeanLlama`), Hugging Face's Llama and the packed S3D8 Mllama with the same native modules
 (:func:`hf_llama`, :func:`hf_mllama`), the row-decoding embeddings, and the files they read."""
 
@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline import decode_step, formats, safetensors_io
+from pipeline import formats
+
+from pipeline.runtime import decode_step
+
+from pipeline.packed import safetensors_io
 from pipeline.precision import KEEP, file_formats
 
 
@@ -38,7 +42,7 @@ def read_header(path: str | Path) -> tuple[dict, dict[str, str], int]:
 
 def read_tensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """``(metadata, every tensor)`` of a packed file, read into private memory
-    (:class:`~pipeline.safetensors_io.PrivateReader`); RuntimeInputError if the file is not one."""
+    (:class:`~pipeline.packed.safetensors_io.PrivateReader`); RuntimeInputError if the file is not one."""
     read_header(path)
     try:
         reader = safetensors_io.PrivateReader(path)
@@ -66,7 +70,7 @@ def model_kind(path: str | Path) -> tuple[str, str]:
         f"{path}: not a packed S3D8 model this runtime runs (metadata format={str(fmt)[:40]!r}, "
         f"model_type={str(model_type)[:40]!r}); it runs packed S3D8 Mllama files and the synthetic Llama "
         f"files (s3d8/int8/bf16); other packed formats run on torch: "
-        f"pipeline.packed.load_packed_model(path, kernel='torch')")
+        f"pipeline.packed.file.load_packed_model(path, kernel='torch')")
 
 
 # --- native layers -------------------------------------------------------------------------------------------
@@ -173,7 +177,7 @@ class LeanLlama:
         return other
 
     def native_step(self, stub_products: bool = False) -> decode_step.DecodeStep:
-        """The C decoder over this model's weights and caches (``stub_products``: see :mod:`pipeline.decode_step`)."""
+        """The C decoder over this model's weights and caches (``stub_products``: see :mod:`pipeline.runtime.decode_step`)."""
         layers = [{**{k: L[k] for k in ("ln1", "ln2", "q", "k", "v", "o", "gate", "up", "down")},
                    "k_cache": self.k_cache[i, 0], "v_cache": self.v_cache[i, 0]} for i, L in enumerate(self.layers)]
         return decode_step.DecodeStep(hidden=self.config["hidden_size"], n_heads=self.nh, n_kv_heads=self.nkv,
@@ -238,7 +242,7 @@ class LeanLlama:
         return self.lm_head(self._rms(x[-1:], self.norm))[0]
 
     def _step(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        """One decode token in one C call (:mod:`pipeline.decode_step`) over the same weights and caches."""
+        """One decode token in one C call (:mod:`pipeline.runtime.decode_step`) over the same weights and caches."""
         return self.native.step(int(ids), pos)
 
 def hf_llama(path: str | Path):
@@ -272,8 +276,8 @@ def hf_llama(path: str | Path):
 
 def hf_mllama(path: str | Path):
     """The packed S3D8 Mllama on the native kernels, embeddings decoding only the looked-up rows."""
-    from pipeline.packed import load_packed_model
-    from pipeline.packed_modules import LazyPackedEmbedding
+    from pipeline.packed.file import load_packed_model
+    from pipeline.packed.modules import LazyPackedEmbedding
 
     _return_large_frees()
     model = load_packed_model(path, kernel="native", decode="lazy", private=True)

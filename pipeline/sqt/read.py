@@ -1,6 +1,6 @@
 """Reading a ``.sqt`` v3 file back and validating it as the engine would load it (SPEC section 9):
 :func:`read_sqt` gives a :class:`SqtFile` (metadata, entries, decoded tensors); :func:`summary` is its one-line
-report. It needs only :mod:`pipeline.sqt_layout`, not the exporter."""
+report. It needs only :mod:`pipeline.sqt.container`, not the exporter."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.layout import TABLE_SHAPE
-from pipeline.sqt_layout import (DTYPES, MAGIC, METADATA_KEYS, PREFIX_BYTES, TEXT_KEYS, VERSION, VISION_KEYS,
+from pipeline.packed.layout import TABLE_SHAPE
+from pipeline.sqt.container import (DTYPES, MAGIC, METADATA_KEYS, PREFIX_BYTES, TEXT_KEYS, VERSION, VISION_KEYS,
                                  VOCAB_KEYS, FORCE_BF16, Entry, SqtError, expected_bytes)
 
 

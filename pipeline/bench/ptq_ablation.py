@@ -2,7 +2,7 @@
 model compared with its source on held-out prose (KL per token, perplexity), bits per weight counted two ways
 (the whole model; the decoder Linears alone, the paper's accounting). Writes ``reports/ptq_ablation.{json,md}``.
 
-    python benchmarks/ptq_ablation.py --model data/teacher-smollm2 [--variants all-s3d8,int8-embedding,rotated]
+    python -m pipeline.bench.ptq_ablation --model data/teacher-smollm2 [--variants all-s3d8,int8-embedding,rotated]
 
 Variants (each one change on top of the sequential GPTQ cast on the prose corpus' calibration half):
 
@@ -28,7 +28,7 @@ VARIANTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.bench.ptq_ablation", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="the source model directory (a text Llama)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--out", default="reports", help="report folder (default %(default)s)")
