@@ -13,7 +13,8 @@ the GPU when there is one; host memory is then the teacher while it loads plus o
 
 What the teacher reads (``calibrate.source``): ``teacher-answers`` (the training prompts with the teacher's answers,
 images included: the only source for a vision model's image path), ``corpus`` (the part of the project's English
-prose corpus that perplexity is never measured on, :func:`pipeline.eval.text.corpus_text` ``"rest"``),
+prose corpus that perplexity is never measured on, :func:`pipeline.eval.text.corpus_text` ``"rest"``), ``english``
+(the public-domain English the project ships, :mod:`pipeline.texts`: fiction, talks, an encyclopedia article),
 ``file:PATH`` (a UTF-8 text file of the user's), the text cut into ``n_prompts`` windows of ``max_seq_len`` tokens,
 or ``self``: ``n_prompts`` sequences of ``max_seq_len`` tokens the teacher samples itself from its BOS token
 (temperature 1, seeded; no data needed, but on SmolLM2 it calibrated far worse than real prose: README).
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline import ptq
+from pipeline import ptq, texts
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.params import non_negative, positive
 from pipeline.packed.safetensors_io import StreamingWriter
@@ -63,7 +64,7 @@ class Calibration:
             return f.get_tensor(name)
 
 
-TEXT_SOURCES = ("teacher-answers", "corpus", "self")
+TEXT_SOURCES = ("teacher-answers", "corpus", "english", "self")
 
 
 def check_source(source: str) -> str:
@@ -89,7 +90,8 @@ class CalibrateParams:
     seed: int
     threads: int = non_negative()          # torch intra-op threads (0: torch's default)
     hessian_memory_gb: float = positive()  # the peak of a pass (float64 sums and one update's temporaries)
-    source: str                            # teacher-answers | corpus | self | file:PATH, or several joined by +
+    source: str                            # teacher-answers | corpus | english | self | file:PATH, or several
+                                           # joined by +
     sequential: bool                       # the direct cast's X^T X from the partly cast model (GPTQ's order)
 
     def __post_init__(self) -> None:
@@ -105,6 +107,8 @@ def calibration_fingerprint(p: CalibrateParams, teacher_data: str) -> list:
         return [chosen, [file_hash(s) for s in shard_paths(teacher_data)]]
     if p.source == "corpus":
         return [chosen, corpus_info("rest")["sha256"]]
+    if p.source == "english":
+        return [chosen, file_hash(texts.path("english"))]
     if p.source == "self":
         return [chosen, SELF_TEXT]
     return [chosen, file_hash(p.source[len("file:"):])]
@@ -153,6 +157,8 @@ def calibration_inputs(p: CalibrateParams, processor, teacher_data: str, heldout
                 for w in windows]
     if p.source == "corpus":
         text, what = corpus_text("rest"), f"calibration corpus {CORPUS}"
+    elif p.source == "english":
+        text, what = texts.read("english"), "the shipped English text (pipeline/texts/english.txt)"
     else:
         path = Path(p.source[len("file:"):])
         if not path.is_file():

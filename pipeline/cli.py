@@ -56,7 +56,6 @@ def pack_model(args) -> dict:
     import torch
 
     from pipeline import direct_cast, formats
-    from pipeline.eval.text import text_windows
     from pipeline.chat import tokenizer_of
     from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.io import atomic_dir
@@ -79,9 +78,8 @@ def pack_model(args) -> dict:
     if as_dir:
         _check_pack_dir(out, source)
     tokenizer = tokenizer_of(load_processor(str(source)))
-    text, what = _calibration_text(args.calibration)
-    inputs = [{"input_ids": torch.tensor([w])}
-              for w in text_windows(text, tokenizer, args.calibration_windows, args.window, what)]
+    windows, what = _calibration_windows(args.calibration, tokenizer, args.calibration_windows, args.window)
+    inputs = [{"input_ids": torch.tensor([w])} for w in windows]
     model = load_model(str(source), torch.float32)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, progress() as bar:
@@ -134,38 +132,53 @@ def pack_model(args) -> dict:
     return {"summary": summary, "held_out": held_out, "seconds": seconds, "plan": plan.describe()}
 
 
-def _calibration_text(path: str | None) -> tuple[str, str]:
-    """``(text, what)`` of ``s3d8 pack --calibration``: the user's file, or the prose corpus' calibration half."""
-    from pipeline.eval.text import CORPUS, corpus_text
+def _calibration_windows(path: str | None, tokenizer, n: int, window: int) -> tuple[list[list[int]], str]:
+    """``(windows, what)`` of ``s3d8 pack --calibration``: the user's file, or by default half the windows from the
+    Python documentation's prose (its calibration half) and half from the shipped English (fiction, talks, an
+    encyclopedia article: :mod:`pipeline.texts`), alternating. Either alone fits the cast to its own kind of text
+    (README, "A cast that respects the data")."""
+    from pipeline import texts
+    from pipeline.eval.text import CORPUS, corpus_text, text_windows
 
     if path is None:
-        return corpus_text("rest"), f"{CORPUS} (not its held-out half)"
+        docs = text_windows(corpus_text("rest"), tokenizer, n - n // 2, window, CORPUS)
+        english = text_windows(texts.read("english"), tokenizer, n // 2, window, "english")
+        mixed = [w for pair in zip(docs, english) for w in pair] + docs[len(english):] + english[len(docs):]
+        return mixed, f"{CORPUS} (not its held-out half) + the shipped English text"
     if not Path(path).is_file():
         raise ValueError(f"--calibration {path}: no such file")
     try:
-        return Path(path).read_text(encoding="utf-8"), path
+        text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"--calibration {path}: not UTF-8 text ({e})") from None
+    return text_windows(text, tokenizer, n, window, path), path
 
 
 def _held_out_line(source: Path, out: Path, tokenizer, tokens: int, window: int) -> dict:
-    """One line: the packed model against its source on held-out prose (KL, perplexity); a warning if it broke."""
+    """The packed model against its source on held-out text, one line: KL and perplexity on the Python
+    documentation's held-out half, perplexity on the shipped independent English (``english-heldout``: nothing
+    calibrates on it); a warning if either is above twice the source's."""
     import torch
 
-    from pipeline.eval.text import CORPUS, compare_on_windows, corpus_windows, hf_logits_fn
+    from pipeline import texts
+    from pipeline.eval.text import CORPUS, compare_on_windows, corpus_windows, hf_logits_fn, text_windows
     from pipeline.models import load_model
     from pipeline.packed.file import load_packed_model
 
-    r = compare_on_windows(hf_logits_fn(load_model(str(source), torch.float32)),
-                           hf_logits_fn(load_packed_model(_packed_file(str(out)))),
-                           corpus_windows(tokenizer, tokens, window))
-    ratio = r["perplexity"] / r["teacher_perplexity"]
+    teacher = hf_logits_fn(load_model(str(source), torch.float32))
+    packed = hf_logits_fn(load_packed_model(_packed_file(str(out))))
+    r = compare_on_windows(teacher, packed, corpus_windows(tokenizer, tokens, window))
+    other = compare_on_windows(teacher, packed, text_windows(texts.read("english-heldout"), tokenizer,
+                                                             -(-tokens // window), window, "english-heldout"))
+    ratio, ratio_other = (x["perplexity"] / x["teacher_perplexity"] for x in (r, other))
     print(f"held-out {CORPUS}, {r['tokens']} tokens: KL {r['kl']:.4f}, perplexity {r['perplexity']:.2f} "
-          f"(source {r['teacher_perplexity']:.2f}, {ratio:.2f}x)")
-    if ratio > 2:
-        print(f"warning: the packed model's perplexity is {ratio:.1f}x the source's: this cast broke it (try "
-              f"--precision with more INT8, or QAT)", file=sys.stderr)
-    return r
+          f"(source {r['teacher_perplexity']:.2f}, {ratio:.2f}x); independent English (english-heldout), "
+          f"{other['tokens']} tokens: KL {other['kl']:.4f}, perplexity {other['perplexity']:.2f} "
+          f"(source {other['teacher_perplexity']:.2f}, {ratio_other:.2f}x)")
+    if max(ratio, ratio_other) > 2:
+        print(f"warning: the packed model's perplexity is {max(ratio, ratio_other):.1f}x the source's: this cast "
+              f"broke it (try --precision with more INT8, a --calibration text like yours, or QAT)", file=sys.stderr)
+    return {**r, "independent": {"text": "english-heldout", **other}}
 
 
 def _check_pack_dir(out: Path, source: Path) -> None:
@@ -293,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: embed_tokens$=int8, the token embedding and a tied output head in INT8)")
     p.add_argument("--method", default="gptq", choices=["gptq", "search", "absmax"],
                    help="post-training method; gptq takes each matrix's X^T X from the partly cast model (default)")
-    p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: English prose every Python "
-                                         "has, pydoc_data's topics, the half perplexity is not measured on)")
+    p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: half the windows from the "
+                                         "Python documentation's prose, pydoc_data's topics, the half perplexity is "
+                                         "not measured on; half from the public-domain English the package ships)")
     p.add_argument("--calibration-windows", type=int, default=16, help="windows of calibration text (default 16)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--rotate", default="none", choices=["none", "orthogonal", "hadamard"],

@@ -300,5 +300,5 @@ def test_joined_calibration_sources_read_each_in_turn(tmp_path):
     assert fp[0] == calibration_fingerprint(params("self"), "unused")
     text.write_text("y")
     assert calibration_fingerprint(params(f"self+file:{text}"), "unused") != fp
-    with pytest.raises(ValueError, match="'prose' is not one of teacher-answers, corpus, self or file:PATH"):
+    with pytest.raises(ValueError, match="'prose' is not one of teacher-answers, corpus, english, self or file:PATH"):
         params("corpus+prose")

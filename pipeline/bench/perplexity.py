@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import texts
 from pipeline.io import write_json, write_text
 
 
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     d = _defaults()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--text", required=True, help="a UTF-8 text file (e.g. /usr/share/common-licenses/GPL-3)")
+    ap.add_argument("--text", required=True, help="a UTF-8 text file (e.g. /usr/share/common-licenses/GPL-3), or "
+                    "english-heldout: the independent English the package ships (pipeline.texts)")
     ap.add_argument("--teacher", default=d.get("teacher") or "models/teacher", help="the teacher's HF directory")
     ap.add_argument("--packed", default="models/packed", help="our packed models, <format>/<method>/ ('' for none)")
     ap.add_argument("--gguf", action="append", default=[], help="GGUF files (a glob; repeatable)")
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         ap.error(f"--gguf {missing[0]!r}: no such file")
     torch.set_num_threads(args.threads)
-    res = measure(Path(args.text), Path(args.teacher), args.packed, ggufs, args.tokens, args.window, args.threads)
+    text = texts.path(args.text) if args.text in texts.TEXTS else Path(args.text)
+    res = measure(text, Path(args.teacher), args.packed, ggufs, args.tokens, args.window, args.threads)
     command = "python -m pipeline.bench.perplexity " + " ".join(sys.argv[1:] if argv is None else argv)
     write_json(f"{args.out}.json", res)
     write_text(f"{args.out}.md", report_md(res, command))
