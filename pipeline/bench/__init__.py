@@ -1,6 +1,9 @@
-"""Kernel benchmarks (SPEC section 8): the arm-bench stage's parameters, harness and report.
-
-``pipeline.bench.kernels`` times the products, ``pipeline.bench.kernels_report`` writes the markdown and the chart.
+"""Every benchmark of the project, each run as ``python -m pipeline.bench.<name>``: the kernels (SPEC section 8,
+stage arm-bench: ``kernels`` times the products, ``kernels_report`` writes the markdown and the chart; this module
+holds the stage's parameters and the paper's shapes), tokens/s (``generate``, ``vision``, ``serve``), a real
+model beside llama.cpp (``real_model``, ``perplexity``), the formats and post-training methods (``bench_formats``,
+``real_weights``, ``ptq_ablation``, ``quant_sensitivity``, ``sensitivity``), QAT throughput (``qat_throughput``) and
+the 11B-shaped skeleton on CPU and GPU (``skeleton_11b``, ``gpu_check``).
 """
 
 from __future__ import annotations
