@@ -3,10 +3,8 @@
 ``python -m pipeline.depgraph stages/eval.py`` prints them; ``python -m pipeline.depgraph --update dvc.yaml``
 rewrites each stage's project deps (keeping its other deps, and the file's comments); ``tests/test_dvc_graph.py``
 checks that every stage of ``dvc.yaml`` lists each one (a file, or a directory holding it). Imports are read from the source
-(every ``import`` statement, including those inside functions), not executed; two kinds are not followed: a
-package's module-level ``__getattr__`` (the names a package answers for code written against the module it
-replaced, :mod:`pipeline.moved`; the project's own code imports the module that holds them), and
-:data:`NOT_FOLLOWED`.
+(every ``import`` statement, including those inside functions), not executed; those of :data:`NOT_FOLLOWED` are
+not followed.
 """
 
 from __future__ import annotations
@@ -51,12 +49,8 @@ NOT_FOLLOWED = {
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     skip = NOT_FOLLOWED.get(path.relative_to(ROOT).as_posix(), (set(),))[0]
-    compat = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
-              for n in ast.walk(f)}
     names: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in compat:
-            continue
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -2,8 +2,8 @@
 old names keeps working: ``import pipeline.runtime_models`` gives :mod:`pipeline.runtime.models` itself (one module
 object under both names), with a ``DeprecationWarning`` that names the new home. The project's own code uses only
 the new names (``tests/test_house.py`` checks). ``pipeline.packed``, ``pipeline.hf``, ``pipeline.runtime`` and
-``pipeline.sqt`` became packages under the same names; each still answers the names the module had (its
-``__getattr__``), and ``python -m pipeline.hf | pipeline.runtime | pipeline.sqt`` run as before.
+``pipeline.sqt`` became packages under the same names; each still answers the names the module had
+(:func:`package_getattr`), and ``python -m pipeline.hf | pipeline.runtime | pipeline.sqt`` run as before.
 """
 
 from __future__ import annotations
@@ -33,6 +33,28 @@ MOVED = {
     "pipeline.bench.report": "pipeline.bench.kernels_report",
 }
 """Old module name -> the module that now holds the same code."""
+
+PACKAGES = {
+    "pipeline.packed": ("pipeline.packed.file", frozenset(['PACKED_VERSION', 'PackedWeight', 'bits_two_ways', 'is_vocabulary', 'load_packed_model', 'packed_format', 'plan_packed', 'read_metadata', 'write_packed'])),
+    "pipeline.hf": ("pipeline.hf.quantizer", frozenset(['KERNELS', 'PackedHfQuantizer', 'PackedQuantConfig', 'register', 'resolve_kernel'])),
+    "pipeline.runtime": ("pipeline.runtime.generation", frozenset(['DEFAULT_IMPL', 'IMPLS', 'Result', 'Sampling', 'THREADS_HELP', 'TextStream', 'available_cpus', 'begin', 'build_parser', 'check_threads', 'context_length', 'eos_ids', 'generate', 'hf_generate', 'lean_generate', 'load', 'main', 'packed_file', 'pick', 'stop_tokens'])),
+    "pipeline.sqt": ("pipeline.sqt.write", frozenset(['ENGINE_DTYPES', 'export', 'main', 'resolve_model', 'standard_name'])),
+}
+"""A package that replaced a module of the same name -> (the module that holds that module's code now, the names
+code outside the project took from it)."""
+
+
+def package_getattr(package: str):
+    """The module ``__getattr__`` of ``package`` (:data:`PACKAGES`): an old name, imported from its new module on first
+    use; anything else an AttributeError."""
+    module, names = PACKAGES[package]
+
+    def __getattr__(name: str):
+        if name in names:
+            return getattr(importlib.import_module(module), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 class OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -108,6 +108,12 @@ def _compare(name: str, variant, fp32, batches: list, steps: int, bf16: bool = F
             "same_results": max(loss) <= LOSS_RTOL and max(grad) <= GRAD_RTOL}
 
 
+def _step_batch(train_set, processor, p, step: int):
+    """``(picked indices, batch, loss mask)`` of QAT step ``step``, as training draws it."""
+    picked = batch_indices(len(train_set), p.batch_size, step, p.seed)
+    batch = collate([train_set[i] for i in picked], processor, p.max_seq_len)
+    return picked, batch, batch.pop("loss_mask").bool()
+
 def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_limit_s: int) -> dict:
     torch.set_num_threads(threads)
     p = params.load(QATParams, "qat", params_path)
@@ -144,9 +150,7 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
             times[name] = now - last
             last = now
 
-        picked = batch_indices(len(train_set), p.batch_size, step, p.seed)
-        batch = collate([train_set[i] for i in picked], processor, p.max_seq_len)
-        keep = batch.pop("loss_mask").bool()
+        picked, batch, keep = _step_batch(train_set, processor, p, step)
         tick("collate")
         with torch.no_grad():
             t_rows = teacher_forward(teacher, batch, dtype)[keep]
@@ -198,9 +202,7 @@ def _levers(student, train_set, processor, p, cache, steps: int, rest: float, to
     collate, cache gather and optimizer seconds, added to each lever's forward + KL + backward)."""
     batches = []                                    # the same batches again, for the levers
     for step in range(steps + 1):
-        picked = batch_indices(len(train_set), p.batch_size, step, p.seed)
-        batch = collate([train_set[i] for i in picked], processor, p.max_seq_len)
-        keep = batch.pop("loss_mask").bool()
+        picked, batch, keep = _step_batch(train_set, processor, p, step)
         batches.append((batch, keep, torch.cat([cache[i] for i in picked])))
     levers = {"autocast_bf16": _compare("autocast", student, student, batches, steps, bf16=True)}
     if compile_limit_s:

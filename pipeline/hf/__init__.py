@@ -10,12 +10,6 @@
 ``python -m pipeline.hf card DIR --eval reports/eval.json`` writes a directory's model card with a run's scores.
 """
 
-_API = frozenset(['KERNELS', 'PackedHfQuantizer', 'PackedQuantConfig', 'register', 'resolve_kernel'])
+from pipeline.moved import package_getattr
 
-
-def __getattr__(name: str):
-    """The names ``pipeline.hf`` held when it was one module (``pipeline.hf.quantizer`` now), imported on first use."""
-    if name in _API:
-        from pipeline.hf import quantizer
-        return getattr(quantizer, name)
-    raise AttributeError(f"module 'pipeline.hf' has no attribute {name!r}")
+__getattr__ = package_getattr(__name__)

@@ -12,12 +12,6 @@ This ``__init__`` imports nothing: the formats import ``layout`` and ``safetenso
 imports the formats.
 """
 
-_API = frozenset(['PACKED_VERSION', 'PackedWeight', 'bits_two_ways', 'is_vocabulary', 'load_packed_model', 'packed_format', 'plan_packed', 'read_metadata', 'write_packed'])
+from pipeline.moved import package_getattr
 
-
-def __getattr__(name: str):
-    """The names ``pipeline.packed`` held when it was one module (``pipeline.packed.file`` now), imported on first use."""
-    if name in _API:
-        from pipeline.packed import file
-        return getattr(file, name)
-    raise AttributeError(f"module 'pipeline.packed' has no attribute {name!r}")
+__getattr__ = package_getattr(__name__)

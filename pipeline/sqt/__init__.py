@@ -6,12 +6,6 @@
 - :mod:`pipeline.sqt.read`: a file read back and validated.
 """
 
-_API = frozenset(['ENGINE_DTYPES', 'export', 'main', 'resolve_model', 'standard_name'])
+from pipeline.moved import package_getattr
 
-
-def __getattr__(name: str):
-    """The names ``pipeline.sqt`` held when it was one module (``pipeline.sqt.write`` now), imported on first use."""
-    if name in _API:
-        from pipeline.sqt import write
-        return getattr(write, name)
-    raise AttributeError(f"module 'pipeline.sqt' has no attribute {name!r}")
+__getattr__ = package_getattr(__name__)
