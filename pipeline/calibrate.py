@@ -34,7 +34,7 @@ from safetensors import safe_open
 
 from pipeline import ptq, texts
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
-from pipeline.params import non_negative, positive
+from pipeline.section import non_negative, positive
 from pipeline.packed.safetensors_io import StreamingWriter
 from pipeline.shards import file_hash, shard_paths
 from pipeline.eval.text import CORPUS, corpus_info, corpus_text, text_windows

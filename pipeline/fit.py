@@ -10,7 +10,7 @@ import torch
 from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.formats import FormatBase, State
 from pipeline.models import load_config, meta_model, quantised_weight_names
-from pipeline.params import non_negative
+from pipeline.section import non_negative
 from pipeline.stage import progress
 from pipeline.teacher_source import local_dir
 

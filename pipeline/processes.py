@@ -13,7 +13,7 @@ from typing import Callable, Literal
 
 import torch
 
-from pipeline.params import ParamsError, defaults, from_dict, load_yaml, non_negative, positive
+from pipeline.section import ParamsError, defaults, from_dict, load_yaml, non_negative, positive
 
 ENV = "PIPELINE_LAUNCH"
 

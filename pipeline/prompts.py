@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.params import probability
+from pipeline.section import probability
 
 _REPO_POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "prompt_pool.yaml"
 DEFAULT_POOL = _REPO_POOL if _REPO_POOL.exists() else Path(__file__).resolve().parent / "data" / "prompt_pool.yaml"

@@ -12,7 +12,7 @@ from pipeline.chat import is_text_only
 from pipeline.images import image_refs
 from pipeline.io import atomic_dir
 from pipeline.models import load_processor
-from pipeline.params import positive
+from pipeline.section import positive
 from pipeline.prompts import SamplerParams, load_pool, render, sample
 from pipeline.shards import write_shard
 from pipeline.stage import versions

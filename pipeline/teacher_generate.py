@@ -26,7 +26,7 @@ from pipeline import ranks
 from pipeline.io import atomic_dir
 from pipeline.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor
-from pipeline.params import bounded, non_negative, positive
+from pipeline.section import bounded, non_negative, positive
 from pipeline.runtime.generation import eos_ids
 from pipeline.shards import file_hash, fingerprint, read_shard, shard_paths, write_shard
 from pipeline.stage import console, progress, versions

@@ -67,7 +67,7 @@ def _shipped():
 
 def test_every_top_level_key_has_a_schema_and_the_shipped_file_validates():
     doc = _shipped()
-    assert set(doc) == set(params.SECTIONS)
+    assert set(doc) == set(params.sections())
     params.validate(doc)
 
 
@@ -82,12 +82,12 @@ def _schemas(tp, key):
             yield from _schemas(hints[f.name], f"{key}.{f.name}")
 
 
-@pytest.mark.parametrize("section", sorted(params.SECTIONS))
+@pytest.mark.parametrize("section", sorted(params.sections()))
 def test_params_yaml_is_the_only_home_of_defaults(section):
     """No field of a section's schema (nested ones too) has a default of its own: every value comes from the file."""
     import dataclasses
 
-    tp = params.schema(section)
+    tp = params.sections()[section]
     if not dataclasses.is_dataclass(tp):
         return                                   # a plain value (formats, heldout_prompts)
     with_default = [key for key, f in _schemas(tp, section)

@@ -26,7 +26,7 @@ from pipeline.formats import FormatBase
 from pipeline.processes import LaunchParams
 from pipeline.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_processor, quantised_weight_names, states_by_module
-from pipeline.params import bounded, non_negative, positive
+from pipeline.section import bounded, non_negative, positive
 from pipeline.qat.api import prepare
 from pipeline.qat.distributed import ReshardError
 from pipeline.answers import Example, batch_indices, collate, model_inputs
