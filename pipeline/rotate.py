@@ -1,5 +1,5 @@
-"""An exact rotation of a Llama's residual stream, done offline, so that its matrices quantise better and the model
-computes the same function.
+"""An exact rotation of a Llama's residual stream (a text Llama's, or an Mllama language model's), done offline, so
+that its matrices quantise better and the model computes the same function.
 
 With ``h`` the residual stream (a row vector) and ``Q`` orthogonal, the rotated model carries ``h Q`` instead:
 
@@ -9,10 +9,10 @@ With ``h`` the residual stream (a row vector) and ``Q`` orthogonal, the rotated 
   (``o_proj``, ``down_proj``) ``Q^T W``; the token embedding ``E Q``.
 
 Outliers of the stream (a few channels ~100x the rest) are spread over every channel, so no row's scale is set by
-one of them. The result is an ordinary ``LlamaForCausalLM`` (transformers and our runtime run it unchanged) whose
-logits equal the original's to float32 rounding (tested). A tied output head cannot stay tied (the embedding is
-``E Q``, the head ``E diag(g_final) Q``): the head becomes a matrix of its own, one more vocabulary-sized matrix to
-store. ``orthogonal``: ``Q`` from the QR decomposition of a seeded Gaussian matrix; ``hadamard``: a Sylvester
+one of them. The result is an ordinary ``LlamaForCausalLM`` / ``MllamaForConditionalGeneration`` (transformers and our
+runtime run it unchanged) whose logits equal the original's to float32 rounding (tested). A tied output head cannot
+stay tied (the embedding is ``E Q``, the head ``E diag(g_final) Q``): the head becomes a matrix of its own, one more
+vocabulary-sized matrix to store. ``orthogonal``: ``Q`` from the QR decomposition of a seeded Gaussian matrix; ``hadamard``: a Sylvester
 Hadamard matrix with seeded random signs (the hidden size a power of 2).
 """
 
@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 KINDS = ("none", "orthogonal", "hadamard")
+MODEL_TYPES = ("llama", "mllama")
+"""The ``model_type`` values :func:`rotate_llama` rotates."""
 
 
 def rotation(kind: str, d: int, seed: int = 0) -> torch.Tensor:
@@ -47,17 +49,28 @@ def _set(module: nn.Module, weight: torch.Tensor) -> None:
     module.weight.data = weight.to(module.weight.dtype).contiguous()
 
 
+def _text_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(decoder body, output head)`` of a ``LlamaForCausalLM`` or of an ``MllamaForConditionalGeneration``'s
+    language model; ValueError for anything else."""
+    kind = getattr(model.config, "model_type", None)
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"rotate: only a text Llama or an Mllama's language model is rotated (this is {kind!r})")
+    return (model.model if kind == "llama" else model.model.language_model), model.lm_head
+
+
 def rotate_llama(model: nn.Module, kind: str, seed: int = 0) -> None:
-    """Rotate a ``LlamaForCausalLM`` in place (module doc); ``none`` leaves it as it is."""
+    """Rotate a ``LlamaForCausalLM``, or the language model of an ``MllamaForConditionalGeneration``, in place
+    (module doc); ``none`` leaves it as it is. Mllama: a cross-attention layer's ``q_proj`` reads the stream and its
+    ``o_proj`` writes it (its scalar gates commute with ``Q``); its ``k_proj`` / ``v_proj`` read the image states, not
+    the stream, and stay as they are, as do the vision tower and the projector (the vision tower's LayerNorms, which
+    subtract a mean and add a bias, do not commute with a rotation)."""
     if kind == "none":
         return
-    if getattr(model.config, "model_type", None) != "llama":
-        raise ValueError(f"rotate {kind}: only a text Llama is rotated (this is {model.config.model_type!r})")
-    body = model.model
-    q = rotation(kind, model.config.hidden_size, seed)
+    body, head = _text_model(model)
+    q = rotation(kind, body.config.hidden_size, seed)
     with torch.no_grad():
-        if model.lm_head.weight is body.embed_tokens.weight or model.config.tie_word_embeddings:
-            model.lm_head.weight = nn.Parameter(body.embed_tokens.weight.detach().clone())
+        if head.weight is body.embed_tokens.weight or getattr(model.config, "tie_word_embeddings", False):
+            head.weight = nn.Parameter(body.embed_tokens.weight[:head.out_features].detach().clone())
             model.config.tie_word_embeddings = False
         if hasattr(model, "all_tied_weights_keys"):
             model.all_tied_weights_keys = {}
@@ -75,9 +88,14 @@ def rotate_llama(model: nn.Module, kind: str, seed: int = 0) -> None:
 
         _set(body.embed_tokens, body.embed_tokens.weight.double() @ q)
         for layer in body.layers:
-            a, f = layer.self_attn, layer.mlp
-            reads([a.q_proj, a.k_proj, a.v_proj], layer.input_layernorm)
-            writes(a.o_proj)
+            f = layer.mlp
+            if hasattr(layer, "cross_attn"):
+                reads([layer.cross_attn.q_proj], layer.input_layernorm)
+                writes(layer.cross_attn.o_proj)
+            else:
+                a = layer.self_attn
+                reads([a.q_proj, a.k_proj, a.v_proj], layer.input_layernorm)
+                writes(a.o_proj)
             reads([f.gate_proj, f.up_proj], layer.post_attention_layernorm)
             writes(f.down_proj)
-        reads([model.lm_head], body.norm)
+        reads([head], body.norm)

@@ -74,14 +74,16 @@ def _rotate_dir(model_dir: Path, kind: str, seed: int, record: dict) -> None:
     if kind == "none":
         return
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from pipeline.rotate import rotate_llama
+    from pipeline.models import load_model
+    from pipeline.rotate import MODEL_TYPES, rotate_llama
 
     model_type = AutoConfig.from_pretrained(str(model_dir)).model_type
-    if model_type != "llama":
-        raise SourceError(f"parameter teacher.rotate={kind}: only a text Llama is rotated (this is {model_type!r})")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if model_type not in MODEL_TYPES:
+        raise SourceError(f"parameter teacher.rotate={kind}: only a text Llama or an Mllama's language model is "
+                          f"rotated (this is {model_type!r})")
+    model = load_model(str(model_dir), torch.float32)
     rotate_llama(model, kind, seed)
     for f in model_dir.glob("*.safetensors*"):
         f.unlink()

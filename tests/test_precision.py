@@ -226,9 +226,38 @@ def test_rotation_refuses_what_it_cannot_do():
         rotation("hadamard", 576)
     with pytest.raises(ValueError, match="expected one of"):
         rotation("spin", 64)
-    mllama = type("M", (), {"config": type("C", (), {"model_type": "mllama"})()})()
-    with pytest.raises(ValueError, match="only a text Llama"):
-        rotate_llama(mllama, "orthogonal")
+    gpt2 = type("M", (), {"config": type("C", (), {"model_type": "gpt2"})()})()
+    with pytest.raises(ValueError, match="only a text Llama or an Mllama's language model"):
+        rotate_llama(gpt2, "orthogonal")
+
+
+def test_rotated_mllama_computes_the_same_logits_with_an_image():
+    """Mllama's language model rotated (cross-attention layers included), its vision tower, projector and the
+    cross-attention keys and values (which read the image, not the stream) left as they are: the same logits."""
+    from pipeline.rotate import rotate_llama
+    from tests.conftest import tiny_inputs, tiny_mllama
+
+    model, rotated = tiny_mllama().float(), tiny_mllama().float()
+    for m in (model, rotated):           # the norms and gates a trained model has (the fresh ones: 1 and 0)
+        gen = torch.Generator().manual_seed(1)
+        for name, p in sorted(m.named_parameters()):
+            if name.endswith("norm.weight") or name.endswith("_gate"):
+                p.data.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    rotate_llama(rotated, "orthogonal", seed=2)
+    text, rtext = model.model.language_model, rotated.model.language_model
+    cross = text.cross_attention_layers[0]
+    assert torch.equal(rtext.layers[cross].cross_attn.k_proj.weight, text.layers[cross].cross_attn.k_proj.weight)
+    assert not torch.allclose(rtext.layers[cross].cross_attn.q_proj.weight, text.layers[cross].cross_attn.q_proj.weight)
+    assert all(torch.equal(a, b) for a, b in zip(model.model.vision_model.state_dict().values(),
+                                                 rotated.model.vision_model.state_dict().values()))
+    assert torch.equal(rtext.norm.weight, torch.ones_like(rtext.norm.weight))
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        a, b = model(**inputs).logits, rotated(**inputs).logits
+    assert float((a - b).abs().max()) < 1e-4 * float(a.abs().max()), float((a - b).abs().max())
+    with torch.no_grad():                # and the image reaches the logits (the test is not of a text-only path)
+        blank = model(**{**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])}).logits
+    assert float((a - blank).abs().max()) > 1e-3
 
 
 def test_sequential_cast_walks_mllamas_vision_and_text_layers():

@@ -232,9 +232,13 @@ def test_rotated_import_is_the_same_model_in_float32(tmp_path, capsys):
     assert file_sha256(tmp_path / "rot" / "model.safetensors") == file_sha256(tmp_path / "rot2" / "model.safetensors")
     from tests.conftest import tiny_mllama
 
-    tiny_mllama().save_pretrained(tmp_path / "mllama")
-    rc, err = run_main(capsys, tmp_path / "mllama", tmp_path / "bad", "--rotate", "hadamard")
-    assert rc == 1 and "only a text Llama is rotated (this is 'mllama')" in err and not (tmp_path / "bad").exists()
+    tiny_mllama().save_pretrained(tmp_path / "mllama")             # Mllama: its language model rotated, on import
+    rc, err = run_main(capsys, tmp_path / "mllama", tmp_path / "mllama-rot", "--rotate", "orthogonal")
+    assert rc == 0, err
+    config = json.loads((tmp_path / "mllama-rot" / "config.json").read_text())
+    assert config["model_type"] == "mllama" and config["text_config"]["dtype"] == "float32"
+    rc, err = run_main(capsys, tmp_path / "mllama", tmp_path / "bad", "--rotate", "hadamard")    # hidden 48
+    assert rc == 1 and "not a power of 2" in err and not (tmp_path / "bad").exists()
     with pytest.raises(SourceError, match="teacher.rotate='spin': expected one of none, orthogonal"):
         import_teacher(str(tmp_path / "src"), tmp_path / "bad", rotate="spin")
 
