@@ -58,8 +58,10 @@ def test_the_runtime_runs_both_files_on_the_native_kernels(files):
         model = hf_mllama(path)
         fc1 = model.model.vision_model.transformer.layers[0].mlp.fc1
         assert isinstance(fc1, native.S3D8Linear if stem == "s3d8" else native.Int8Linear) and fc1.bias is not None
-        big = [b for m in model.modules() for b in m._buffers.values() if b is not None and b.nbytes >= 4096]
+        big, rows = _big_buffers(model)
         assert big and len({b.untyped_storage().data_ptr() for b in big}) == 1, "one block of private memory"
+        assert rows and {b.untyped_storage().data_ptr() for b in rows}.isdisjoint(
+            {b.untyped_storage().data_ptr() for b in big}), "the embedding mapped from the file, not read"
         processor = runtime._processor_for(path, read_header(path)[1], None)
         batch = inputs(processor, (112, 112))
         assert batch["pixel_values"].shape[2] == 4                       # 4 tiles, as the 11B tiles a 2 x 2 picture
@@ -90,9 +92,34 @@ def test_generate_bench_measures_an_image_and_a_question(tmp_path):
     assert "One image and a question" in (tmp_path / "bench_generate.md").read_text()
 
 
+def _big_buffers(model) -> tuple[list, list]:
+    """``(buffers of 4 KB or more outside the embeddings, the embeddings')`` of a runtime Mllama (its embeddings: the
+    token embedding and the vision tower's tile embeddings, which decode the rows they look up)."""
+    rows = (native.S3D8RowEmbedding, native.Int8RowEmbedding)
+    big = [(isinstance(m, rows), b) for m in model.modules() for b in m._buffers.values()
+           if b is not None and b.nbytes >= 4096]
+    return [b for r, b in big if not r], [b for r, b in big if r]
+
+
+def _mapped_rss_kb(path) -> int | None:
+    """Resident kB of this process's mappings of ``path`` (/proc/self/smaps); None where there is no such file."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        return None
+    total, inside, name = 0, False, str(Path(path).resolve())
+    for line in smaps.read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            inside = line.endswith(name)
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
 def test_the_runtime_reads_the_file_into_private_memory_once(files):
     """hf_mllama's tensors are the file's bytes read into one private block: equal to the mapped load's, 64-byte
-    aligned, and no page of the packed file stays mapped (a mapped file's pages would count beside the copy)."""
+    aligned; the token embedding alone stays mapped from the file, none of its pages resident after the load's
+    check read them all (a lookup brings in the rows it reads)."""
     from pipeline.packed.file import load_packed_model
     from pipeline.runtime.models import hf_mllama
 
@@ -104,20 +131,55 @@ def test_the_runtime_reads_the_file_into_private_memory_once(files):
     del mapped, private
     gc.collect()
     model = hf_mllama(path)
-    big = [b for m in model.modules() for b in m._buffers.values() if b is not None and b.nbytes >= 4096]
-    assert all(b.data_ptr() % 64 == 0 for b in big)
-    if Path("/proc/self/maps").exists():
-        assert str(Path(path).resolve()) not in Path("/proc/self/maps").read_text()
+    embedding = model.model.language_model.embed_tokens
+    assert all(b.data_ptr() % 64 == 0 for b in _big_buffers(model)[0])
+    if _mapped_rss_kb(path) is not None:
+        assert _mapped_rss_kb(path) <= 8                   # a page or two: the header's neighbours
+        with torch.inference_mode():
+            rows = embedding(torch.tensor([[3, 900]]))
+        assert _mapped_rss_kb(path) > 0                    # rows come in as they are looked up
+        assert torch.equal(rows, plain_rows(path, [3, 900]))
 
 
-def test_the_runtimes_vision_encoder_keeps_only_what_is_read_and_changes_no_number(files):
+def plain_rows(path, ids):
+    """The embedding rows of the packed file ``path`` as the mapped (non-private) load decodes them."""
+    from pipeline.packed.file import load_packed_model
+
+    model = load_packed_model(path, kernel="native", decode="lazy")
+    with torch.inference_mode():
+        return model.model.language_model.embed_tokens(torch.tensor([ids]))
+
+
+def test_a_mapped_tensor_is_the_files_bytes_and_its_pages_go_back(tmp_path):
+    from pipeline.packed.checkpoint import CheckpointReader
+    from pipeline.packed.safetensors_io import write_tensors
+
+    path = tmp_path / "t.safetensors"
+    table = torch.arange(4096 * 4096, dtype=torch.int32).reshape(4096, 4096) % 251
+    write_tensors(path, {"a": table.to(torch.int8), "s": torch.ones(64, dtype=torch.bfloat16)})
+    reader = CheckpointReader(path, private=True)
+    a = reader.get("a", mapped=True)
+    assert torch.equal(a, table.to(torch.int8)) and torch.equal(reader.get("s", mapped=True), torch.ones(64).bfloat16())
+    if _mapped_rss_kb(path) is not None:
+        assert _mapped_rss_kb(path) >= 16000              # the comparison read every page (16 MB)
+        reader.drop_mapped()
+        assert _mapped_rss_kb(path) <= 8
+        assert torch.equal(a[1600], table[1600].to(torch.int8))
+        assert _mapped_rss_kb(path) <= 4096                # a row's page and its neighbours (a large folio at most)
+
+
+def test_the_runtimes_vision_encoder_keeps_only_what_is_read_and_changes_no_number(files, monkeypatch):
+    """... and its MLPs on blocks of tokens (7 here, so that the tiny image spans several) give the same numbers."""
     from pipeline.runtime import generation as runtime
     from pipeline.bench.vision import inputs
     from pipeline.packed.file import load_packed_model
+    from pipeline.runtime import models
     from pipeline.runtime.models import VisionEncoder, hf_mllama, read_header
 
+    monkeypatch.setattr(models, "MLP_ROWS", 7)
     path = files["s3d8"]
     lean, plain = hf_mllama(path), load_packed_model(path, kernel="native", decode="lazy")
+    assert lean.model.vision_model.transformer.layers[0].mlp.row_block == 7
     vision = lean.model.vision_model
     assert isinstance(vision.transformer, VisionEncoder) and isinstance(vision.global_transformer, VisionEncoder)
     batch = inputs(runtime._processor_for(path, read_header(path)[1], None), (112, 112))
@@ -166,3 +228,18 @@ def test_the_decode_step_reads_the_image_keys_and_values_where_the_cache_holds_t
         keys, values = out.past_key_values.layers[i].keys, out.past_key_values.layers[i].values
         assert keys.dtype == torch.float32 and keys[0].is_contiguous()
         assert keys[0].data_ptr() in held and values[0].data_ptr() in held
+
+
+def test_a_decode_token_reads_the_text_weights_and_head_not_the_image_side(files):
+    """The bandwidth bound of a decode token: the text layers and the output head, not the vision tower, the
+    projector, the image keys and values (prefill) or an untied embedding (a row a token)."""
+    from pipeline.bench.vision import decode_bytes
+    from pipeline.packed.safetensors_io import read_header
+
+    for path in files.values():
+        entries = read_header(path)[0]
+        size = {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in entries.items()}
+        text = sum(b for n, b in size.items() if n.startswith("language_model.") and "embed_tokens" not in n
+                   and ".cross_attn.k_proj." not in n and ".cross_attn.v_proj." not in n)
+        assert any("lm_head" in n for n in size) and decode_bytes(path) == text
+        assert decode_bytes(path) < sum(size.values()) - sum(b for n, b in size.items() if "vision_model." in n)

@@ -321,7 +321,7 @@ def analyse(data: dict) -> list[str]:
                             f"(S3D8 {r:.2f}x of it; goal >= 1.3x: {'met' if r >= 1.3 else 'NOT met'})")
             else:
                 line.append("llama.cpp: not measured")
-            bound = _bandwidth(data, t) / s["weight_bytes"]
+            bound = _bandwidth(data, t) / vision.read_per_token(s)
             frac = s["decode_tokens_per_s"] / bound
             line.append(f"{frac:.0%} of the {t}-thread bandwidth bound {bound:.1f} tokens/s (goal >= 80%: "
                         f"{'met' if frac >= 0.8 else 'NOT met'})")
@@ -363,7 +363,7 @@ def write_report(data: dict, out_dir: Path) -> None:
             md.append(f"| {r['model']} | {r['format']} | {r['impl']} | {r['threads']} | error: {r['error']} |"
                       " | | | | | | |")
             continue
-        bound = _bandwidth(data, r["threads"]) / r["weight_bytes"]
+        bound = _bandwidth(data, r["threads"]) / vision.read_per_token(r)
         bpw, ovh = r.get("bits_per_weight"), r.get("overhead_ms_per_token")
         md.append(f"| {r['model']} | {r['format']} | {r['impl']} | {r['threads']} | {r['prefill_tokens_per_s']:.1f} | "
                   f"{r['decode_tokens_per_s']:.2f} | {'' if ovh is None else f'{ovh:.3f}'} | "

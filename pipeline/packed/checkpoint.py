@@ -114,7 +114,9 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, mapped: bool = False) -> torch.Tensor:
+        """The tensor ``name``; ``mapped`` (private readers only): over a copy-on-write map of the file, pages
+        coming in as they are touched (:meth:`PrivateReader.get`)."""
         if name not in self._files:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         # a handle of its own, dropped at once: the tensor alone keeps its pages mapped, so they leave the
@@ -124,12 +126,17 @@ class CheckpointReader:
         if self._private is not None:
             if file not in self._private:
                 self._private[file] = PrivateReader(file)
-            return self._private[file].get(name)
+            return self._private[file].get(name, mapped)
         try:
             with safe_open(str(file), framework="pt") as f:
                 return f.get_tensor(name)
         except Exception as e:
             raise ValueError(f"{self._files[name]}: cannot read tensor {name!r} ({e})") from None
+
+    def drop_mapped(self) -> None:
+        """Hand back the pages of the mapped tensors touched so far (:meth:`PrivateReader.drop_mapped`)."""
+        for reader in (self._private or {}).values():
+            reader.drop_mapped()
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._files[name]).get_slice(name).get_shape())

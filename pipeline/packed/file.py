@@ -356,7 +356,10 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     packed tensors and decode in each forward, embeddings only the rows looked up, a Linear above 64M
     weights a block of rows at a time: same numbers, memory about the file's size). ``kernel="native"`` (S3D8, INT8): the native kernels on the packed bytes for
     linear layers; embeddings follow ``decode``. ``private``: the file's tensors read into private memory, not
-    mapped (:class:`~pipeline.packed.checkpoint.CheckpointReader`), for a model kept for a process's lifetime."""
+    mapped (:class:`~pipeline.packed.checkpoint.CheckpointReader`), for a model kept for a process's lifetime; with
+    ``decode="lazy"`` an embedding that is not also the output head stays mapped from the file instead, each lookup
+    bringing in the rows it reads (the 11B's 128,264-row table is 0.5 GB in INT8, of which a prompt reads a few
+    hundred rows)."""
     if decode not in DECODES:
         raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODES)}")
     reader = CheckpointReader(path, private=private)
@@ -384,7 +387,9 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
     shared = {p.saved for p in plan if p.tied}
     read: dict[str, dict[str, torch.Tensor]] = {}     # the packed tensors a tied module will share
     for p in plan:
-        tensors = read.get(p.saved) or {s: reader.get(k) for s, k in p.parts.items()}
+        module = model.get_submodule(p.module_name)
+        rows = private and decode == "lazy" and not isinstance(module, nn.Linear) and p.saved not in shared
+        tensors = read.get(p.saved) or {s: reader.get(k, mapped=rows) for s, k in p.parts.items()}
         if p.saved in shared:
             read[p.saved] = tensors
         bias = None
@@ -392,11 +397,12 @@ def load_packed_model(path: str | Path, *, config=None, act_quant: bool = True,
             bias = reader.get(p.bias)
             check_finite(path, p.bias, bias.float())
             bias = bias.to(dtype)
-        module = model.get_submodule(p.module_name)
         replace(model, p.module_name, packed_layer(path, p.saved, p.fmt, tensors, p.shape, bias,
                                                    getattr(module, "padding_idx", None),
                                                    linear=isinstance(module, nn.Linear), kernel=kernel,
                                                    decode=decode, act_quant=act_quant, dtype=dtype))
+        if rows:                  # its check read every page: none is needed until a lookup
+            reader.drop_mapped()
     del read
     biases = {p.bias for p in plan}
     for key, state_name in plain.items():

@@ -78,7 +78,12 @@ def private_memory(nbytes: int) -> torch.Tensor:
 class PrivateReader:
     """A safetensors file's tensors read with plain reads into one block of :func:`private_memory`, each at a
     64-byte aligned offset, on first ``get``: no page of the file is mapped, so resident memory is the tensors
-    read, once (a mapped file's pages count beside every copy made of them, in 4 KB pages)."""
+    read, once (a mapped file's pages count beside every copy made of them, in 4 KB pages).
+
+    ``get(name, mapped=True)``: the tensor over a copy-on-write map of the file instead, for a table read a few rows
+    at a time (an embedding): a page comes in from the file when a lookup first touches it, and
+    :meth:`drop_mapped` hands the pages touched so far back to the page cache (a full pass, such as a check of every
+    byte, leaves nothing resident); its block of private memory is never touched."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -88,8 +93,9 @@ class PrivateReader:
             self._offsets[name] = end
             end += -(-(e["data_offsets"][1] - e["data_offsets"][0]) // 64) * 64
         self._memory = private_memory(end)
+        self._map: mmap.mmap | None = None
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, mapped: bool = False) -> torch.Tensor:
         e = self.entries.get(name)
         if e is None:
             raise KeyError(f"{self.path}: no tensor {name!r}")
@@ -97,6 +103,13 @@ class PrivateReader:
         dtype = TORCH_DTYPES.get(e["dtype"])
         if dtype is None or math.prod(e["shape"]) * dtype.itemsize != b - a:
             raise ValueError(f"{self.path}: tensor {name!r}: {b - a} bytes of {e['dtype']} for shape {e['shape']}")
+        if mapped and b > a and (self._base + a) % dtype.itemsize == 0 and hasattr(mmap, "MADV_DONTNEED"):
+            if self._map is None:
+                with open(self.path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._map.madvise(mmap.MADV_RANDOM)       # rows looked up here and there: no read-ahead
+            return torch.frombuffer(self._map, dtype=torch.uint8, count=b - a,
+                                    offset=self._base + a).view(dtype).reshape(e["shape"])
         off = self._offsets[name]
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self._base + a)
@@ -104,6 +117,11 @@ class PrivateReader:
         if got != b - a:
             raise ValueError(f"{self.path}: tensor {name!r} is truncated")
         return self._memory[off:off + b - a].view(dtype).reshape(e["shape"])
+
+    def drop_mapped(self) -> None:
+        """Hand back the pages of the mapped tensors touched so far (never written: the file still holds them)."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
 
 
 class StreamingWriter:
