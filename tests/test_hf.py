@@ -147,6 +147,8 @@ def test_native_kernel_on_request(packed):
         model = from_pretrained(path, dtype=torch.float32, device_map="cpu",
                                 quantization_config=PackedQuantConfig(kernel="native"))
     assert isinstance(model.model.language_model.layers[0].mlp.up_proj, S3D8Linear)
+    products = [m.packed for m in model.modules() if isinstance(m, S3D8Linear)]     # one block, as the runtime's
+    assert len({t.untyped_storage().data_ptr() for t in products}) == 1 and all(t.data_ptr() % 64 == 0 for t in products)
     reference = load_packed_model(path / "model.safetensors", kernel="native")
     x = inputs(model.config)
     with torch.no_grad():

@@ -14,7 +14,8 @@ Once ``pipeline`` is imported (see ``pipeline/__init__.py``), ``AutoModelForImag
 (``AutoModelForCausalLM`` for a text-only Llama) builds the model on ``meta``, puts a placeholder holding the
 packed tensors of every quantised module in place, lets transformers load the file, then swaps in modules
 that keep the weights packed in memory, as bitsandbytes and torchao do (:class:`PackedQuantConfig`: S3D8 on
-the native CPU kernels, other formats and devices decoded a block at a time in each forward). The model
+the native CPU kernels, their packed bytes copied into one block of huge-page-advised private memory as the
+runtime reads its own files; other formats and devices decoded a block at a time in each forward). The model
 computes in the ``dtype`` given to ``from_pretrained`` (default ``"auto"``: config.json's, bfloat16 for the
 Llama teachers); with the same kernel, decode and dtype its logits equal ``load_packed_model``'s bit for bit,
 and ``kernel="torch", dtype=torch.float32`` is the QAT forward bit for bit. ``model.save_pretrained(dir)``
@@ -52,7 +53,7 @@ from pipeline.packed.file import PACKED_VERSION, packed_format, plan_packed, rea
 from pipeline.precision import file_formats
 from pipeline.packed.modules import DECODES, check_kernel, packed_layer
 from pipeline.recipe import replace
-from pipeline.packed.safetensors_io import TORCH_DTYPES, tensor_specs
+from pipeline.packed.safetensors_io import TORCH_DTYPES, PrivateBlock, tensor_specs
 
 _packed = formats.packed
 
@@ -278,10 +279,19 @@ class PackedHfQuantizer(HfQuantizer):
             tensors = {s: getattr(slot.weight, s, None) for s in fmt_of[name].suffixes}
             if all(t is not None and not t.is_meta for t in tensors.values()):
                 loaded[self.source["packed"][name]] = tensors
+        # the native kernels stream a Linear's packed bytes: one block of private memory, huge pages advised (an
+        # embedding's rows are looked up a few at a time: they stay where transformers put them)
+        products = {self.source["packed"][n] for n, m in slots if m.linear} if self.kernel == "native" else set()
+        parts = [(saved, s) for saved, tensors in loaded.items() if saved in products for s in tensors]
+        block = PrivateBlock([(loaded[saved][s].dtype, tuple(loaded[saved][s].shape)) for saved, s in parts])
+        slot_of = {part: i for i, part in enumerate(parts)}
         for name, slot in slots:
             saved = self.source["packed"][name]
             if saved not in loaded:
                 raise RuntimeError(f"packed tensors of {name!r} were not loaded")
+            for s, t in loaded[saved].items():
+                if (saved, s) in slot_of:
+                    loaded[saved][s] = block.put(slot_of.pop((saved, s)), t)
             bias = None if slot.bias is None else slot.bias.detach()
             replace(model, name, packed_layer(first, saved, fmt_of[name], loaded[saved], slot.shape, bias, slot.padding_idx,
                                               linear=slot.linear, kernel=self.kernel, decode=cfg.decode,

@@ -75,6 +75,30 @@ def private_memory(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
 
 
+class PrivateBlock:
+    """One block of :func:`private_memory` (huge pages advised) for tensors of the given ``(dtype, shape)``, each at a
+    64-byte aligned offset: what :class:`PrivateReader` gives a file's tensors, for tensors loaded another way (a
+    Hugging Face ``from_pretrained``). ``put(i, tensor)`` copies tensor ``i`` in and returns the copy; a slot costs
+    nothing until it is written, so tensors copied one at a time, each original dropped after its copy, never sit in
+    memory twice."""
+
+    def __init__(self, specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self._specs, self._offsets, end = specs, [], 0
+        for dtype, shape in specs:
+            self._offsets.append(end)
+            end += -(-math.prod(shape) * dtype.itemsize // 64) * 64
+        self._memory = private_memory(end)
+
+    def put(self, i: int, tensor: torch.Tensor) -> torch.Tensor:
+        dtype, shape = self._specs[i]
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"slot {i} holds {dtype} {tuple(shape)}, not {tensor.dtype} {tuple(tensor.shape)}")
+        at = self._offsets[i]
+        out = self._memory[at:at + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+        out.copy_(tensor)
+        return out
+
+
 class PrivateReader:
     """A safetensors file's tensors read with plain reads into one block of :func:`private_memory`, each at a
     64-byte aligned offset, on first ``get``: no page of the file is mapped, so resident memory is the tensors
