@@ -1,11 +1,10 @@
 """End-to-end generation benchmark: tokens/s of packed models on the native kernels.
 
 ``python -m pipeline.bench.generate [--models toy,synthetic-1b] [--threads 1,2] [--prompt-tokens 128]
-[--new-tokens 64] [--impls lean,hf] [--llama-cpp]`` writes ``reports/bench_generate.json``
-(``{"records": [{model, format, impl, threads, prompt_tokens, new_tokens, prefill_tokens_per_s,
-decode_tokens_per_s, overhead_ms_per_token, weight_bytes, peak_rss_mb, ...}], "machine": {cpu, flags, ...},
-"read_bandwidth_gb_s_by_threads": {...}, ...}``), ``reports/bench_generate.md`` (with the
-goals) and ``reports/bench_generate.png``.
+[--new-tokens 64] [--impls lean,hf] [--llama-cpp]`` writes ``reports/bench_generate.json`` (``{"records": [{model,
+format, impl, threads, prompt_tokens, new_tokens, prefill_tokens_per_s, decode_tokens_per_s, overhead_ms_per_token,
+weight_bytes, peak_rss_mb, ...}], "machine": {cpu, flags, ...}, "read_bandwidth_gb_s_by_threads": {...}, ...}``),
+``reports/bench_generate.md`` (with the goals) and ``reports/bench_generate.png``.
 
 Every row runs in a fresh subprocess (``--child``), so its peak RSS (``ru_maxrss``) is that model's
 alone. The prompt is 128 seeded random token ids, generation greedy with EOS ignored, after a warm-up
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 from pipeline.bench import machine, vision
+from pipeline.formats import BF16_BASELINE, INT8_BASELINE, SUBJECT
 from pipeline.io import atomic_path, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def toy_packed(path: Path = TOY_PACKED) -> Path:
     src = ROOT / "data" / "toy-teacher"
     reader = CheckpointReader(src / "model.safetensors")
     names = quantised_weight_names(meta_model(load_config(str(src))))
-    fmt = formats.get("s3d8")
+    fmt = formats.get(SUBJECT)
     states = {s.removesuffix(".weight"): fmt.fit(reader.get(s).float()) for s in names.values()}
     write_packed(path, reader, fmt, states, dtype=torch.bfloat16,
                  metadata={"config": load_config(str(src)).to_dict(), "source_model": str(src)})
@@ -77,8 +77,8 @@ def model_file(model: str, fmt: str) -> Path:
         path = SYNTH_DIR / model / f"{fmt}.safetensors"
         return path if path.exists() else write_vision(model, SYNTH_DIR, files=(fmt,))[fmt]
     if model == "toy":
-        if fmt != "s3d8":
-            raise ValueError("the toy runs as S3D8 only")
+        if fmt != SUBJECT:
+            raise ValueError(f"the toy runs as {SUBJECT} only")
         return toy_packed()
     path = SYNTH_DIR / model / f"{fmt}.safetensors"
     if not path.exists():
@@ -105,7 +105,7 @@ def gguf_file(model: str, qtype: str, threads: int = 2) -> Path:
     folder = SYNTH_DIR / model
     src = folder / "bf16.gguf"
     if not src.exists():
-        write_gguf(model_file(model, "bf16"), src)
+        write_gguf(model_file(model, BF16_BASELINE), src)
     out = folder / f"{stem}.gguf"
     if not out.exists():
         params = llama_cpp.llama_model_quantize_default_params()
@@ -296,11 +296,11 @@ def analyse(data: dict) -> list[str]:
     models = sorted({r["model"] for r in recs if r["model"] != "toy"})
     for model in models:
         for t in data["threads"]:
-            s = keyed.get((model, "s3d8", "lean", t))
+            s = keyed.get((model, SUBJECT, "lean", t))
             if not s:
                 continue
             line = [f"**{model}, {t} thread(s)**: S3D8 {s['decode_tokens_per_s']:.2f} tokens/s"]
-            for fmt, goal in (("int8", GOALS["s3d8_vs_int8"]), ("bf16", GOALS["s3d8_vs_bf16"])):
+            for fmt, goal in ((INT8_BASELINE, GOALS["s3d8_vs_int8"]), (BF16_BASELINE, GOALS["s3d8_vs_bf16"])):
                 o = keyed.get((model, fmt, "lean", t))
                 if o:
                     r = s["decode_tokens_per_s"] / o["decode_tokens_per_s"]
@@ -381,7 +381,7 @@ def write_report(data: dict, out_dir: Path) -> None:
     ok = [r for r in recs if "error" not in r]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     labels = [f"{r['model']}\n{r['format']} {r['impl']} t{r['threads']}" for r in ok]
-    colors = {"s3d8": "tab:red", "int8": "tab:blue", "bf16": "tab:gray"}
+    colors = {SUBJECT: "tab:red", INT8_BASELINE: "tab:blue", BF16_BASELINE: "tab:gray"}
     ax.bar(range(len(ok)), [r["decode_tokens_per_s"] for r in ok],
            color=[colors.get(r["format"], "tab:green") for r in ok])
     ax.set_xticks(range(len(ok)), labels, rotation=90, fontsize=6)
@@ -428,11 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     records, notes = [], []
     jobs = []
     for model in args.models.split(","):
-        fmts = ["s3d8"] if model == "toy" else args.formats.split(",")
+        fmts = [SUBJECT] if model == "toy" else args.formats.split(",")
         if model in vision.VISION_PRESETS:          # bf16 (21 GB at the 11B) is not written: it does not fit here
-            fmts = [f for f in fmts if f != "bf16"]
+            fmts = [f for f in fmts if f != BF16_BASELINE]
         for fmt in fmts:
-            impls = ["vision"] if model in vision.VISION_PRESETS else args.impls.split(",") if fmt == "s3d8" else ["lean"]
+            impls = ["vision"] if model in vision.VISION_PRESETS else args.impls.split(",") if fmt == SUBJECT else ["lean"]
             for impl in impls:
                 for t in threads:
                     jobs.append((model, fmt, impl, t, None))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.bench import generate
+from pipeline.formats import INT8_BASELINE, SUBJECT
 from pipeline.io import atomic_path, write_json, write_text
 
 GOAL_MAX_BITS = 5.5          # llama.cpp files S3D8+QAT is compared with
@@ -50,7 +51,7 @@ def goals(data: dict) -> list[str]:
     teacher_ppl = data["teacher"]["perplexity"]
     llama = [r for r in models if r["impl"] == "llama.cpp" and _ok(r)]
     out = []
-    qat = _find(models, "s3d8", ("qat",))
+    qat = _find(models, SUBJECT, ("qat",))
     if not _ok(qat):
         out.append("- S3D8 + QAT vs llama.cpp files <= 5.5 bits: **not measured** (no packed S3D8 QAT model of this "
                    "teacher" + (f": {qat['error']}" if qat and qat.get("error") else "") + ")")
@@ -71,7 +72,7 @@ def goals(data: dict) -> list[str]:
         out.append(f"- S3D8 + QAT perplexity {qat['perplexity']:.3f} vs the teacher's {teacher_ppl:.3f} "
                    f"({ratio - 1:+.1%}; goal within {GOAL_PPL_FACTOR - 1:.0%}): "
                    f"**{'met' if ratio <= GOAL_PPL_FACTOR else 'NOT met'}**")
-    direct = _find(models, "s3d8", ("direct-cast", "direct", "direct-cast-absmax"))
+    direct = _find(models, SUBJECT, ("direct-cast", "direct", "direct-cast-absmax"))
     q2 = [r for r in llama if generate.llama_cpp_type(r["format"])[0] == "Q2_K"]
     if not _ok(direct) or not q2:
         out.append("- S3D8 direct cast vs Q2_K: **not measured** ("
@@ -84,7 +85,7 @@ def goals(data: dict) -> list[str]:
                        f"{r['perplexity']:.3f}, KL {r['kl']:.4f}, {r['bits_per_weight']:.2f} bits): better on both: "
                        f"**{'met' if met else 'NOT met'}**")
     for t in sorted({r["threads"] for r in data["rows"]}):
-        ours = [r for r in data["rows"] if r["impl"] == "ours" and r["format"] == "s3d8" and r["threads"] == t
+        ours = [r for r in data["rows"] if r["impl"] == "ours" and r["format"] == SUBJECT and r["threads"] == t
                 and r.get("decode_tokens_per_s")]
         theirs = [r for r in data["rows"] if r["impl"] == "llama.cpp" and r["threads"] == t
                   and r.get("decode_tokens_per_s")]
@@ -104,12 +105,12 @@ def goals(data: dict) -> list[str]:
 
 
 def _plan_rows(models: list[dict], which: int) -> list[dict]:
-    ours = [r for r in models if r["impl"] == "ours" and r["format"] == "s3d8" and _ok(r)]
+    ours = [r for r in models if r["impl"] == "ours" and r["format"] == SUBJECT and _ok(r)]
     if which == 0:
         return [r for r in ours if r["bits_per_weight"] <= ALL_S3D8_BITS]
     return [r for r in ours if (r.get("bits_per_weight_linears") or 99) <= PAPER_LINEAR_BITS
             and r["bits_per_weight"] <= PAPER_WHOLE_BITS
-            and all(f in ("s3d8", "int8") for f in (r.get("precision") or {}).values())]
+            and all(f in (SUBJECT, INT8_BASELINE) for f in (r.get("precision") or {}).values())]
 
 
 def _rival(r: dict) -> str | None:

@@ -4,6 +4,7 @@ errors of each format and method, the bars, the cost, and notes (``reports/real_
 from __future__ import annotations
 
 from pipeline import ptq
+from pipeline.formats import SUBJECT
 from pipeline.params import defaults
 
 DEFAULT_METHOD = defaults(ptq.PackParams, "pack").method
@@ -36,23 +37,23 @@ def summarise(rows, fmts) -> dict:
             c["weight_mean"] = sum(r["err"] / r["energy"] for r in rs) / len(rs)
         # weight error: the default without calibration data is the (unweighted) search; every other format at
         # its best weight-space scaling
-        default = cell["s3d8/search"]["weight"]
-        best_other = {f: min(cell[f"{f}/{m}"]["weight"] for m in ("absmax", "search")) for f in fmts if f != "s3d8"}
+        default = cell[f"{SUBJECT}/search"]["weight"]
+        best_other = {f: min(cell[f"{f}/{m}"]["weight"] for m in ("absmax", "search")) for f in fmts if f != SUBJECT}
         out[kind] = {"cells": cell, "bar": {
             "s3d8_default": default, "best_other": best_other,
             "below_every_other": all(default < v for v in best_other.values()),
-            "reduction_vs_absmax": 1 - default / cell["s3d8/absmax"]["weight"],
-            "reduction_30pct": default <= 0.7 * cell["s3d8/absmax"]["weight"],
-            "reduction_vs_absmax_mean": 1 - cell["s3d8/search"]["weight_mean"] / cell["s3d8/absmax"]["weight_mean"],
-            "below_every_other_mean": all(cell["s3d8/search"]["weight_mean"] < min(
-                cell[f"{f}/{m}"]["weight_mean"] for m in ("absmax", "search")) for f in fmts if f != "s3d8")}}
+            "reduction_vs_absmax": 1 - default / cell[f"{SUBJECT}/absmax"]["weight"],
+            "reduction_30pct": default <= 0.7 * cell[f"{SUBJECT}/absmax"]["weight"],
+            "reduction_vs_absmax_mean": 1 - cell[f"{SUBJECT}/search"]["weight_mean"] / cell[f"{SUBJECT}/absmax"]["weight_mean"],
+            "below_every_other_mean": all(cell[f"{SUBJECT}/search"]["weight_mean"] < min(
+                cell[f"{f}/{m}"]["weight_mean"] for m in ("absmax", "search")) for f in fmts if f != SUBJECT)}}
         # output error (what the default, gptq with calibration data, minimises): every format at its best method
         if all("output" in c for c in cell.values()):
-            d = cell[f"s3d8/{DEFAULT_METHOD}"]["output"]
-            others = {f: min(cell[f"{f}/{m}"]["output"] for m in METHODS) for f in fmts if f != "s3d8"}
+            d = cell[f"{SUBJECT}/{DEFAULT_METHOD}"]["output"]
+            others = {f: min(cell[f"{f}/{m}"]["output"] for m in METHODS) for f in fmts if f != SUBJECT}
             out[kind]["output_bar"] = {"s3d8_default": d, "best_other": others,
                                        "below_every_other": all(d < v for v in others.values()),
-                                       "reduction_vs_absmax": 1 - d / cell["s3d8/absmax"]["output"]}
+                                       "reduction_vs_absmax": 1 - d / cell[f"{SUBJECT}/absmax"]["output"]}
     return out
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.formats import INT8_BASELINE, SUBJECT
+
 QUESTION = "What is in this picture? Describe it in detail."
 VISION_PRESETS = ("synthetic-11b-vision", "synthetic-vision-tiny")
 
@@ -149,13 +151,13 @@ def report_lines(records: list[dict], bandwidth) -> list[str]:
             "the 11B Vision in 3.7 GB, S3D8 decode 3.8 tokens/s on the Pixel 8a; on Graviton4 36.8 tokens/s against "
             "26.4 for INT8 (SPEC section 8). Compare ratios, not absolute speeds.", ""]
     for (model, fmt, t), s in sorted(ok.items()):
-        if fmt != "s3d8":
+        if fmt != SUBJECT:
             continue
         frac = s["decode_tokens_per_s"] / (bandwidth(t) / read_per_token(s))
         line = [f"**{model}, {t} thread(s)**: peak RSS {s['peak_rss_mb'] / 1024:.2f} GB (goal <= "
                 f"{GOALS['peak_rss_gb']}: {'met' if s['peak_rss_mb'] / 1024 <= GOALS['peak_rss_gb'] else 'NOT met'})",
                 f"decode {frac:.0%} of the bound (goal >= 80%: {'met' if frac >= GOALS['bandwidth_fraction'] else 'NOT met'})"]
-        i8 = ok.get((model, "int8", t))
+        i8 = ok.get((model, INT8_BASELINE, t))
         if i8:
             pre = s["time_to_first_token_s"] / i8["time_to_first_token_s"]
             dec = s["decode_tokens_per_s"] / i8["decode_tokens_per_s"]

@@ -24,6 +24,11 @@ _FORMATS: dict[str, FormatBase] = {f.name: f for f in (S3D8(), Int(), StudentT()
 
 QUANTISED = tuple(name for name, f in _FORMATS.items() if f.comparison)
 """The 2.6-2.7-bit formats of the paper's comparison, in the paper's order."""
+SUBJECT = S3D8.name
+"""The format the project ships (Llama-Mobile's): the one benchmarks set their goals for, the others measured beside
+it."""
+INT8_BASELINE, BF16_BASELINE = INT8.name, BF16.name
+"""The speed baselines (SPEC section 3): per-channel INT8 and the unquantised bf16."""
 
 
 def names() -> list[str]:
@@ -59,7 +64,8 @@ def packed(name, what: str = "format") -> FormatBase:
     return known[name]
 
 
-__all__ = ["Format", "FormatBase", "State", "get", "names", "comparison", "packable", "packed", "QUANTISED"]
+__all__ = ["Format", "FormatBase", "State", "get", "names", "comparison", "packable", "packed", "QUANTISED", "SUBJECT",
+           "INT8_BASELINE", "BF16_BASELINE"]
 
 
 def check_names(value) -> list[str]:
