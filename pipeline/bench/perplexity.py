@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(json.loads(sys.argv[2]))), flush=True)
         return 0
     d = _defaults()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--text", required=True, help="a UTF-8 text file (e.g. /usr/share/common-licenses/GPL-3), or "
                     "english-heldout: the independent English the package ships (pipeline.texts)")
     ap.add_argument("--teacher", default=d.get("teacher") or "models/teacher", help="the teacher's HF directory")
