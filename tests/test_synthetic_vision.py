@@ -243,3 +243,24 @@ def test_a_decode_token_reads_the_text_weights_and_head_not_the_image_side(files
                    and ".cross_attn.k_proj." not in n and ".cross_attn.v_proj." not in n)
         assert any("lm_head" in n for n in size) and decode_bytes(path) == text
         assert decode_bytes(path) < sum(size.values()) - sum(b for n, b in size.items() if "vision_model." in n)
+
+
+def test_the_cross_attention_shares_the_image_key_value_heads_with_the_same_numbers(files):
+    """The runtime's cross-attention layers read grouped key/value heads through torch's SDPA (no repeated copies of
+    the image keys and values): the prompt's logits are the same bits as with transformers' SDPA."""
+    from pipeline.bench.vision import inputs
+    from pipeline.runtime import generation as runtime
+    from pipeline.runtime.models import SHARED_KV, hf_mllama, read_header
+
+    path = files["s3d8"]
+    model = hf_mllama(path)
+    cross = [layer.cross_attn for layer in model.model.language_model.layers if hasattr(layer, "cross_attn")]
+    assert cross and all(a.config._attn_implementation == SHARED_KV for a in cross)
+    assert model.model.language_model.config._attn_implementation != SHARED_KV
+    assert cross[0].num_key_value_groups > 1
+    batch = inputs(runtime._processor_for(path, read_header(path)[1], None), (112, 112))
+    with torch.inference_mode():
+        shared = model(**batch).logits
+        for a in cross:
+            a.config = model.model.language_model.config
+        assert torch.equal(model(**batch).logits, shared)
