@@ -176,10 +176,12 @@ def test_the_runtimes_vision_encoder_keeps_only_what_is_read_and_changes_no_numb
     from pipeline.runtime import models
     from pipeline.runtime.models import VisionEncoder, hf_mllama, read_header
 
-    monkeypatch.setattr(models, "MLP_ROWS", 7)
+    monkeypatch.setattr(models, "ROW_BLOCK", 7)
     path = files["s3d8"]
     lean, plain = hf_mllama(path), load_packed_model(path, kernel="native", decode="lazy")
     assert lean.model.vision_model.transformer.layers[0].mlp.row_block == 7
+    assert lean.model.vision_model.transformer.layers[0].self_attn.q_proj.row_block == 7
+    assert lean.model.multi_modal_projector.row_block == 7
     vision = lean.model.vision_model
     assert isinstance(vision.transformer, VisionEncoder) and isinstance(vision.global_transformer, VisionEncoder)
     batch = inputs(runtime._processor_for(path, read_header(path)[1], None), (112, 112))
