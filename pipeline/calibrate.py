@@ -105,13 +105,9 @@ def calibration_fingerprint(p: CalibrateParams, teacher_data: str) -> list:
     chosen = {k: getattr(p, k) for k in ("n_prompts", "max_seq_len", "seed", "source")}
     if p.source == "teacher-answers":
         return [chosen, [file_hash(s) for s in shard_paths(teacher_data)]]
-    if p.source == "corpus":
-        return [chosen, corpus_info("rest")["sha256"]]
-    if p.source == "english":
-        return [chosen, file_hash(texts.path("english"))]
     if p.source == "self":
         return [chosen, SELF_TEXT]
-    return [chosen, file_hash(p.source[len("file:"):])]
+    return [chosen, source_hash(p.source)]
 
 
 SELF_TEXT = "sampled from BOS, temperature 1, one torch.Generator seeded by calibrate.seed (v1)"
@@ -136,6 +132,31 @@ def self_text(model, tokenizer, n: int, length: int, seed: int) -> list[list[int
     return ids.tolist()
 
 
+def source_text(source: str, param: str) -> tuple[str, str]:
+    """``(text, what it is)`` of one text source: ``corpus`` (the prose corpus' calibration half), ``english`` (the
+    shipped English) or ``file:PATH``; ``param`` names the parameter in errors."""
+    if source == "corpus":
+        return corpus_text("rest"), f"calibration corpus {CORPUS}"
+    if source == "english":
+        return texts.read("english"), "the shipped English text (pipeline/texts/english.txt)"
+    if not source.startswith("file:"):
+        raise ValueError(f"{param}: {source!r} is not corpus, english or file:PATH")
+    path = Path(source.removeprefix("file:"))
+    if not path.is_file():
+        raise ValueError(f"{param}: {path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{param}: {path}: not UTF-8 text ({e})") from None
+
+
+def source_hash(source: str) -> str:
+    """The content hash of one text source of :func:`source_text` (what a fingerprint records)."""
+    if source == "corpus":
+        return corpus_info("rest")["sha256"]
+    return file_hash(texts.path("english") if source == "english" else source.removeprefix("file:"))
+
+
 def calibration_inputs(p: CalibrateParams, processor, teacher_data: str, heldout: int, vocab: int,
                        pool: str | None = None, teacher=None) -> list[dict]:
     """The calibration sequences as model inputs (CPU, one sequence each, no padding), from ``p.source``
@@ -155,18 +176,7 @@ def calibration_inputs(p: CalibrateParams, processor, teacher_data: str, heldout
         windows = self_text(teacher, tokenizer_of(processor), p.n_prompts, p.max_seq_len, p.seed)
         return [{"input_ids": torch.tensor([w]), "attention_mask": torch.ones(1, len(w), dtype=torch.long)}
                 for w in windows]
-    if p.source == "corpus":
-        text, what = corpus_text("rest"), f"calibration corpus {CORPUS}"
-    elif p.source == "english":
-        text, what = texts.read("english"), "the shipped English text (pipeline/texts/english.txt)"
-    else:
-        path = Path(p.source[len("file:"):])
-        if not path.is_file():
-            raise ValueError(f"calibrate.source: {path}: no such file")
-        try:
-            text, what = path.read_text(encoding="utf-8"), str(path)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"calibrate.source: {path}: not UTF-8 text ({e})") from None
+    text, what = source_text(p.source, "calibrate.source")
     windows = text_windows(text, tokenizer_of(processor), p.n_prompts, p.max_seq_len, what)
     return [{"input_ids": torch.tensor([w]), "attention_mask": torch.ones(1, len(w), dtype=torch.long)}
             for w in windows]

@@ -28,6 +28,10 @@ def _native_sources() -> tuple[str, ...]:
 
 NATIVE_SOURCES = _native_sources()
 
+READS = {"pipeline/texts/__init__.py": tuple(sorted(f"pipeline/texts/{p.name}"
+                                                   for p in (ROOT / "pipeline" / "texts").glob("*.txt")))}
+"""Data files a module reads at run time, listed wherever the module is: what a stage computes from."""
+
 
 def _module_file(name: str) -> Path | None:
     base = ROOT / Path(*name.split("."))
@@ -85,6 +89,9 @@ def project_imports(script: str | Path) -> list[str]:
     files = {str(p.relative_to(ROOT)) for p in seen}
     if "pipeline/native.py" in files:
         files.update(NATIVE_SOURCES)
+    for module, data in READS.items():
+        if module in files:
+            files.update(data)
     return sorted(files)
 
 

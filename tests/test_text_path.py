@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_teacher_import import byte_vocabulary, tiny_llama, write_tiny_llama_gguf  # noqa: E402
 
 from pipeline.eval import text  # noqa: E402
+from pipeline import texts  # noqa: E402
 from pipeline.answers import Example, collate, load_examples, model_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,6 +109,16 @@ def test_qat_corpus_windows_distill_every_token_after_the_first(teacher_dir, tok
     batch = collate(examples, tokenizer, max_seq_len=32)
     assert batch["loss_mask"].tolist() == [[1] * 31 + [0]] * 3
     assert corpus_examples(dataclasses.replace(p, corpus_windows=0), str(teacher_dir), 0) == []
+    both = corpus_examples(dataclasses.replace(p, corpus_source="corpus+english"), str(teacher_dir), 100)
+    assert [e.index for e in both] == list(range(100, 106))
+    assert [list(e.prompt_ids + e.response_ids) for e in both[:3]] == [
+        list(e.prompt_ids + e.response_ids) for e in examples]
+    assert [list(e.prompt_ids + e.response_ids) for e in both[3:]] == text.text_windows(
+        texts.read("english"), tokenizer, 3, 32, "")
+    with pytest.raises(ValueError, match=r"qat.corpus_source='corpus\+web': 'web' is not corpus, english or file"):
+        dataclasses.replace(p, corpus_source="corpus+web")
+    with pytest.raises(ValueError, match="qat.corpus_source: .*none.txt: no such file"):
+        corpus_examples(dataclasses.replace(p, corpus_source="file:/nonexistent/none.txt"), str(teacher_dir), 0)
     with pytest.raises(ValueError, match=r"qat.corpus_windows=100000: the corpus' calibration half holds \d+ windows"):
         corpus_examples(dataclasses.replace(p, corpus_windows=100_000), str(teacher_dir), 0)
     with pytest.raises(ValueError, match="text window 1: fewer than 2 tokens"):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from pipeline import params
 from pipeline.answers import load_examples, split_heldout, text_examples
-from pipeline.calibrate import CALIBRATION, Calibration
+from pipeline.calibrate import CALIBRATION, Calibration, source_hash, source_text
 from pipeline.chat import is_text_only, tokenizer_of
 from pipeline.direct_cast import INDEX, DirectCast
-from pipeline.eval.text import corpus_info, corpus_text, text_windows
+from pipeline.eval.text import text_windows
 from pipeline.fit import check_states
 from pipeline.formats import FormatBase
 from pipeline.io import write_json
@@ -54,7 +54,7 @@ def run(fmt: FormatBase, params_path: str, teacher_data: str) -> None:
                      [file_hash(s) for s in shard_paths(teacher_data)], heldout,
                      file_hash(local_dir(teacher.dir) / "config.json"),
                      file_hash(cast.path / INDEX) if cast is not None else None,
-                     corpus_info("rest")["sha256"] if corpus else None)
+                     [source_hash(s) for s in p.corpus_source.split("+")] if corpus else None)
     began = time.perf_counter()
     summary = train(fmt, states, teacher.dir, teacher.dtype, train_set, p,
                     out_dir=f"models/qat/{fmt.name}", checkpoint=f"checkpoints/qat/{fmt.name}.safetensors",
@@ -66,17 +66,22 @@ def run(fmt: FormatBase, params_path: str, teacher_data: str) -> None:
 
 
 def corpus_examples(p: QATParams, teacher_dir: str, first_index: int) -> list:
-    """``qat.corpus_windows`` windows of the prose corpus' calibration half, for a text-only teacher."""
+    """``qat.corpus_windows`` windows of each text of ``qat.corpus_source`` (one after another), for a text-only
+    teacher."""
     if not p.corpus_windows:
         return []
     processor = load_processor(teacher_dir)
     if not is_text_only(processor):
         raise ValueError(f"parameter qat.corpus_windows={p.corpus_windows}: needs a text-only teacher (every "
                          f"sequence of an image-text teacher's batch carries an image); set it to 0")
-    windows = text_windows(corpus_text("rest"), tokenizer_of(processor), p.corpus_windows, p.max_seq_len,
-                           "qat.corpus_windows")
-    if len(windows) < p.corpus_windows:
-        raise ValueError(f"parameter qat.corpus_windows={p.corpus_windows}: the corpus' calibration half holds "
-                         f"{len(windows)} windows of {p.max_seq_len} tokens")
+    windows = []
+    for source in p.corpus_source.split("+"):
+        text, what = source_text(source, "qat.corpus_source")
+        got = text_windows(text, tokenizer_of(processor), p.corpus_windows, p.max_seq_len, "qat.corpus_windows")
+        if len(got) < p.corpus_windows:
+            what = "the corpus' calibration half" if source == "corpus" else what
+            raise ValueError(f"parameter qat.corpus_windows={p.corpus_windows}: {what} holds "
+                             f"{len(got)} windows of {p.max_seq_len} tokens")
+        windows += got
     return text_examples(windows, first_index)
 

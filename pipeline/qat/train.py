@@ -58,8 +58,16 @@ class QATParams:
     refit_table: bool                            # S3D8: refit each centroid table on the trained weights at the end
     teacher_logits: Literal["cache", "forward"]  # cache: the teacher's response logits once per
     #   training sequence, before the first step (full bf16 rows, exactly what it outputs); forward: per step
-    corpus_windows: int = non_negative()         # windows of max_seq_len tokens of the prose corpus' calibration
-    #   half (never the held-out half perplexity reads) trained on beside the answers, every token distilled
+    corpus_windows: int = non_negative()         # windows of max_seq_len tokens of each text of corpus_source
+    #   trained on beside the answers, every token distilled
+    corpus_source: str                           # corpus (the prose corpus' calibration half, never the held-out
+    #   half perplexity reads) | english (the shipped English) | file:PATH; several joined by +
+
+    def __post_init__(self) -> None:
+        for part in self.corpus_source.split("+"):
+            if part not in ("corpus", "english") and not part.startswith("file:"):
+                raise ValueError(f"parameter qat.corpus_source={self.corpus_source!r}: {part!r} is not corpus, "
+                                 f"english or file:PATH")
 
 
 Start = Callable[[str, torch.Tensor], tuple]
