@@ -53,6 +53,10 @@ NOT_FOLLOWED = {
                            "every section's schema, to validate the whole params.yaml before a stage works: a "
                            "stage's results depend on its own section's values (its params deps) and the code that "
                            "reads them, which the stage imports itself, not on the other sections' checks"),
+    "pipeline/launch.py": ({"pipeline.memory_plan", "pipeline.ranks"},
+                           "the launcher's memory and disk check before a stage starts, and its `plan` command: "
+                           "they refuse to start a stage or print a plan and change no stage's result; a stage that "
+                           "plans with them imports them itself"),
 }
 """Imports the graph does not follow, per file, with the reason (a module, and the names taken from it)."""
 
