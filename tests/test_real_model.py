@@ -97,10 +97,10 @@ def test_a_failed_child_is_one_line_with_llama_cpp_s_message():
                                     "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
                                     "    raise RuntimeError(f\"status {rc}\")\n"
                                     "RuntimeError: llama_model_quantize IQ2_XXS: status 1\n")
-    msg = rm._failure(p)
+    msg = rm.child_failure(p)
     assert msg.startswith("exit status 1: ") and "requires an imatrix" in msg and "status 1" in msg
     assert "File " not in msg and "raise" not in msg and "\n" not in msg
-    assert rm._failure(subprocess.CompletedProcess([], -11, "", "")) == "killed by SIGSEGV"
+    assert rm.child_failure(subprocess.CompletedProcess([], -11, "", "")) == "killed by SIGSEGV"
 
 
 # --- the teacher as bf16 GGUF ---------------------------------------------------------------------------------------

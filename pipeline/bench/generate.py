@@ -134,7 +134,7 @@ def llama_cpp_status() -> str | None:
 
 # --- one measurement (child process) ----------------------------------------------------------------------------
 
-def _prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+def random_prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, min(vocab, 32000), (1, n), generator=gen)
 
@@ -155,10 +155,10 @@ def _child_native(spec: dict) -> dict:
     run = runtime.lean_generate if spec["impl"] == "lean" else runtime.hf_generate
     # warm-up at the prompt's length: the first product of each size class above 16 tokens tunes its path
     t0 = time.perf_counter()
-    run(model, {"input_ids": _prompt(spec["prompt_tokens"], vocab, 1)}, 2)
+    run(model, {"input_ids": random_prompt(spec["prompt_tokens"], vocab, 1)}, 2)
     warmup_s = time.perf_counter() - t0
-    res = run(model, {"input_ids": _prompt(spec["prompt_tokens"], vocab)}, spec["new_tokens"])
-    overhead = (overhead_ms_per_token(model, _prompt(spec["prompt_tokens"], vocab), spec["new_tokens"])
+    res = run(model, {"input_ids": random_prompt(spec["prompt_tokens"], vocab)}, spec["new_tokens"])
+    overhead = (overhead_ms_per_token(model, random_prompt(spec["prompt_tokens"], vocab), spec["new_tokens"])
                 if spec["impl"] == "lean" else None)
     cfg = model.config if isinstance(model, runtime_models.LeanLlama) else None
     kv = 0
@@ -223,9 +223,9 @@ def _child_llama_cpp(spec: dict) -> dict:
         return t0, stamps
 
     began = time.perf_counter()
-    run(_prompt(n, vocab, 1)[0].tolist(), 2)                                 # warm-up, as the native rows
+    run(random_prompt(n, vocab, 1)[0].tolist(), 2)                                 # warm-up, as the native rows
     warmup_s = time.perf_counter() - began
-    t0, stamps = run(_prompt(n, vocab)[0].tolist(), m)
+    t0, stamps = run(random_prompt(n, vocab)[0].tolist(), m)
     return {"prefill_tokens_per_s": n / (stamps[0] - t0), "decode_tokens_per_s": (m - 1) / (stamps[-1] - stamps[0]),
             "new_tokens": m, "load_s": load_s, "warmup_s": warmup_s, "weight_bytes": Path(spec["path"]).stat().st_size,
             "kv_cache_bytes": 0}

@@ -86,9 +86,9 @@ def _in_child(spec: dict) -> dict:
                        capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
-        from pipeline.bench.real_model import _failure
+        from pipeline.bench.real_model import child_failure
 
-        raise RuntimeError(f"{spec['path']}: {_failure(p)}")
+        raise RuntimeError(f"{spec['path']}: {child_failure(p)}")
     return json.loads(lines[-1])
 
 
@@ -144,14 +144,14 @@ def report_md(res: dict, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.bench.real_model import _defaults
+    from pipeline.bench.real_model import params_defaults
 
     if argv is None and sys.argv[1:2] == ["--child"]:
         import json
 
         print(json.dumps(child(json.loads(sys.argv[2]))), flush=True)
         return 0
-    d = _defaults()
+    d = params_defaults()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--text", required=True, help="a UTF-8 text file (e.g. /usr/share/common-licenses/GPL-3), or "
                     "english-heldout: the independent English the package ships (pipeline.texts)")

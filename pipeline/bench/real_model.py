@@ -61,7 +61,7 @@ CHILD_TIMEOUT_S = 1800
 
 # --- child processes --------------------------------------------------------------------------------------------
 
-def _failure(p: subprocess.CompletedProcess) -> str:
+def child_failure(p: subprocess.CompletedProcess) -> str:
     """One line for a failed child: its exit status (or signal) and the error lines it printed."""
     if p.returncode < 0:
         try:
@@ -90,7 +90,7 @@ def run_child(spec: dict, timeout: int = CHILD_TIMEOUT_S) -> dict:
         return {"error": f"timed out after {timeout} s"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
-        return {"error": _failure(p)}
+        return {"error": child_failure(p)}
     return json.loads(lines[-1])
 
 
@@ -150,9 +150,10 @@ def _torch_speed(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     vocab = model.config.vocab_size
     t0 = time.perf_counter()
-    runtime.hf_generate(model, {"input_ids": generate._prompt(spec["prompt_tokens"], vocab, 1)}, 2)
+    runtime.hf_generate(model, {"input_ids": generate.random_prompt(spec["prompt_tokens"], vocab, 1)}, 2)
     warmup_s = time.perf_counter() - t0
-    res = runtime.hf_generate(model, {"input_ids": generate._prompt(spec["prompt_tokens"], vocab)}, spec["new_tokens"])
+    prompt = generate.random_prompt(spec["prompt_tokens"], vocab)
+    res = runtime.hf_generate(model, {"input_ids": prompt}, spec["new_tokens"])
     return {"prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens_per_s": res.decode_tokens_per_s,
             "new_tokens": res.new_tokens, "load_s": load_s, "warmup_s": warmup_s,
             "peak_rss_mb": generate.peak_rss_mb()}
@@ -396,7 +397,7 @@ def run(args, out_dir: str | Path | None = None) -> dict:
 
 # --- CLI --------------------------------------------------------------------------------------------------------
 
-def _defaults() -> dict:
+def params_defaults() -> dict:
     """Defaults from params.yaml where it can be read (teacher directory, held-out count, eval settings)."""
     try:
         from pipeline.params import read
@@ -410,7 +411,7 @@ def _defaults() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = _defaults()
+    d = params_defaults()
     ap = argparse.ArgumentParser(prog="python -m pipeline.bench.real_model",
                                  description="A real teacher, ours and llama.cpp's quantisations side by side "
                                              ": reports/real_model.{json,md,png}")

@@ -110,9 +110,9 @@ def report_md(res: dict, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.bench.real_model import _defaults
+    from pipeline.bench.real_model import params_defaults
 
-    d = _defaults()
+    d = params_defaults()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--packed", required=True, help="a packed text Llama (directory or model.safetensors)")
     ap.add_argument("--teacher", default=d.get("teacher") or "models/teacher", help="its source's HF directory")

@@ -18,7 +18,7 @@ import torch
 from pipeline.runtime import generation as runtime
 from pipeline.runtime.decode_step import step_batch
 from pipeline.runtime.models import LeanLlama, RuntimeInputError, model_kind, read_header
-from pipeline.serve.requests import ServeError, _number, bad, chat_messages, sampling_of
+from pipeline.serve.requests import ServeError, number_field, bad, chat_messages, sampling_of
 
 
 @dataclass(eq=False)
@@ -133,7 +133,7 @@ class Engine:
         if n >= self.ctx:
             raise bad(field_name, f"{n} prompt tokens leave no room in the context of {self.ctx} tokens")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _number(body, key, self.ctx - n, int, low=1)
+        max_tokens = number_field(body, key, self.ctx - n, int, low=1)
         if n + max_tokens > self.ctx:
             raise bad(key, f"{n} prompt tokens + {max_tokens} new tokens exceed the context of {self.ctx} tokens")
         return Job(inputs, max_tokens, sampling_of(body), asyncio.get_running_loop())

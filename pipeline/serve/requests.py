@@ -33,7 +33,7 @@ def bad(param: str, message: str) -> ServeError:
     return ServeError(400, f"{param}: {message}", param)
 
 
-def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
+def number_field(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
     value = body.get(name, default)
     if value is None:
         return default
@@ -49,11 +49,11 @@ def sampling_of(body: dict) -> runtime.Sampling:
     for name, default in UNSUPPORTED.items():
         if body.get(name, default) not in (default, None):
             raise bad(name, "not supported by s3d8 serve")
-    temperature = _number(body, "temperature", 1.0, low=0, high=2)
-    seed = _number(body, "seed", None, int)
+    temperature = number_field(body, "temperature", 1.0, low=0, high=2)
+    seed = number_field(body, "seed", None, int)
     return runtime.Sampling(greedy=temperature == 0, temperature=temperature or 1.0,
-                            top_p=_number(body, "top_p", 1.0, low=0, high=1, low_open=True),
-                            top_k=_number(body, "top_k", 0, int, low=0),
+                            top_p=number_field(body, "top_p", 1.0, low=0, high=1, low_open=True),
+                            top_k=number_field(body, "top_k", 0, int, low=0),
                             seed=secrets.randbits(63) if seed is None else seed)
 
 
