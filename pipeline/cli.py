@@ -138,17 +138,22 @@ def _calibration_windows(path: str | None, tokenizer, n: int, window: int) -> tu
     """``(windows, what)`` of ``s3d8 pack --calibration``: the user's file, or by default half the windows from the
     Python documentation's prose (its calibration half) and half from the shipped English (fiction, talks, an
     encyclopedia article: :mod:`pipeline.texts`), alternating. Either alone fits the cast to its own kind of text
-    (README, "A cast that respects the data"). The texts are read as ``calibrate.source`` reads them."""
-    from pipeline.calibrate import source_text
-    from pipeline.eval.text import CORPUS, text_windows
+    (README, "A cast that respects the data")."""
+    from pipeline import texts
+    from pipeline.eval.text import CORPUS, corpus_text, text_windows
 
     if path is None:
-        docs = text_windows(source_text("corpus", "--calibration")[0], tokenizer, n - n // 2, window, CORPUS)
-        english = text_windows(source_text("english", "--calibration")[0], tokenizer, n // 2, window, "english")
+        docs = text_windows(corpus_text("rest"), tokenizer, n - n // 2, window, CORPUS)
+        english = text_windows(texts.read("english"), tokenizer, n // 2, window, "english")
         mixed = [w for pair in zip(docs, english) for w in pair] + docs[len(english):] + english[len(docs):]
         return mixed, f"{CORPUS} (not its held-out half) + the shipped English text"
-    text, what = source_text(f"file:{path}", "--calibration")
-    return text_windows(text, tokenizer, n, window, what), what
+    if not Path(path).is_file():
+        raise ValueError(f"--calibration {path}: no such file")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--calibration {path}: not UTF-8 text ({e})") from None
+    return text_windows(text, tokenizer, n, window, path), path
 
 
 def _held_out_line(source: Path, out: Path, tokenizer, tokens: int, window: int) -> dict:
