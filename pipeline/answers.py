@@ -94,15 +94,32 @@ def text_examples(windows: list[list[int]], first_index: int) -> list[Example]:
     return [Example(first_index + i, None, (w[0],), tuple(w[1:])) for i, w in enumerate(windows)]
 
 
-def batch_indices(n_examples: int, batch_size: int, step: int, seed: int) -> list[int]:
+GROUP_BY_LENGTH_BATCHES = 50
+"""Batches per megabatch of ``batch_indices(..., lengths=)`` (Hugging Face's ``LengthGroupedSampler``'s 50)."""
+
+
+def sequence_lengths(examples: list[Example], max_seq_len: int) -> list[int]:
+    """Each example's tokens as :func:`collate` cuts it."""
+    return [min(len(e.prompt_ids) + len(e.response_ids), max_seq_len) for e in examples]
+
+
+def batch_indices(n_examples: int, batch_size: int, step: int, seed: int,
+                  lengths: list[int] | None = None) -> list[int]:
     """The examples of optimizer step ``step``: consecutive slices of seeded per-epoch permutations,
-    a pure function of (step, seed) so that a resumed run sees the same data."""
+    a pure function of (step, seed) so that a resumed run sees the same data. With ``lengths`` (``qat.group_by_length``,
+    as Hugging Face's ``group_by_length``): each permutation is cut into megabatches of
+    ``GROUP_BY_LENGTH_BATCHES`` batches, each sorted longest first, so that a batch holds sequences of about one length
+    and pads little."""
     out = []
     position = step * batch_size
     while len(out) < batch_size:
         epoch, offset = divmod(position, n_examples)
         order = list(range(n_examples))
         random.Random(f"{seed}/{epoch}").shuffle(order)
+        if lengths is not None:
+            mega = GROUP_BY_LENGTH_BATCHES * batch_size
+            order = [i for a in range(0, n_examples, mega)
+                     for i in sorted(order[a:a + mega], key=lambda i: -lengths[i])]
         take = min(batch_size - len(out), n_examples - offset)
         out.extend(order[offset:offset + take])
         position += take

@@ -12,8 +12,11 @@ Outliers of the stream (a few channels ~100x the rest) are spread over every cha
 one of them. The result is an ordinary ``LlamaForCausalLM`` / ``MllamaForConditionalGeneration`` (transformers and our
 runtime run it unchanged) whose logits equal the original's to float32 rounding (tested). A tied output head cannot
 stay tied (the embedding is ``E Q``, the head ``E diag(g_final) Q``): the head becomes a matrix of its own, one more
-vocabulary-sized matrix to store. ``orthogonal``: ``Q`` from the QR decomposition of a seeded Gaussian matrix; ``hadamard``: a Sylvester
-Hadamard matrix with seeded random signs (the hidden size a power of 2).
+vocabulary-sized matrix to store. ``orthogonal``: ``Q`` from the QR decomposition of a seeded Gaussian matrix;
+``hadamard``: a Hadamard matrix (every entry +-1/sqrt(d), so no channel of the stream can stay an outlier) with seeded
+random row signs, QuaRot's choice, built as Kronecker products of Sylvester's and Paley's constructions: orders 2^k
+times a product of Paley orders q + 1 (q a prime, 3 mod 4) and 2(q + 1) (q a prime, 1 mod 4), e.g. 576 = 4 x 12 x 12
+(SmolLM2-135M), 1280 = 64 x 20 (Mllama's vision tower), 3072 = 256 x 12, 4096 = 2^12.
 """
 
 from __future__ import annotations
@@ -35,14 +38,61 @@ def rotation(kind: str, d: int, seed: int = 0) -> torch.Tensor:
         q, r = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
         return q * torch.sign(torch.diagonal(r))[None, :]
     if kind == "hadamard":
-        if d & (d - 1):
-            raise ValueError(f"rotate hadamard: hidden size {d} is not a power of 2 (use orthogonal)")
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < d:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h = hadamard(d)
+        if h is None:
+            raise ValueError(f"rotate hadamard: no Hadamard matrix of order {d} is built here (2^k times Paley orders; "
+                             "use orthogonal)")
         signs = torch.randint(0, 2, (d,), generator=gen).double() * 2 - 1
         return signs[:, None] * h / math.sqrt(d)
     raise ValueError(f"rotate {kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def _prime(n: int) -> bool:
+    return n > 1 and all(n % p for p in range(2, math.isqrt(n) + 1))
+
+
+def _paley(n: int) -> torch.Tensor | None:
+    """Paley's Hadamard matrix of order ``n`` (float64 +-1), or None: construction I for ``n = q + 1``, construction
+    II for ``n = 2(q + 1)``, from the quadratic characters of GF(q), q a prime."""
+    def core(q: int) -> torch.Tensor:                   # [[0, 1^T], [+-1, Jacobsthal]] of order q + 1
+        squares = {i * i % q for i in range(1, q)}
+        chi = torch.tensor([0.0] + [1.0 if i in squares else -1.0 for i in range(1, q)], dtype=torch.float64)
+        idx = torch.arange(q)
+        c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+        c[0, 1:] = 1
+        c[1:, 0] = 1 if q % 4 == 1 else -1
+        c[1:, 1:] = chi[(idx[None, :] - idx[:, None]) % q]
+        return c
+    if _prime(n - 1) and (n - 1) % 4 == 3:
+        return core(n - 1) + torch.eye(n, dtype=torch.float64)
+    if n % 2 == 0 and _prime(n // 2 - 1) and (n // 2 - 1) % 4 == 1:
+        zero = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+        one = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        c = core(n // 2 - 1)
+        return torch.kron(c, one) + torch.kron((c == 0).double(), zero)
+    return None
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order ``n`` (float64 +-1, ``H H^T = n I``), or None where none is built here: Sylvester's
+    ``[[H, H], [H, -H]]``, Paley's constructions, and Kronecker products of those."""
+    if n & (n - 1) == 0:                                  # Sylvester's, for every power of 2
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return h
+    if n % 4:
+        return None                                        # no Hadamard matrix has such an order
+    direct = _paley(n)
+    if direct is not None:
+        return direct
+    for a in range(12, n // 2 + 1, 4):                  # a Paley factor times what is left
+        if n % a == 0:
+            left = _paley(a)
+            right = hadamard(n // a) if left is not None else None
+            if right is not None:
+                return torch.kron(left, right)
+    return None
 
 
 def _set(module: nn.Module, weight: torch.Tensor) -> None:

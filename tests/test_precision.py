@@ -219,11 +219,30 @@ def test_rotated_llama_computes_the_same_logits(kind, tied):
     assert float((a - b).abs().max()) < 1e-4 * float(a.abs().max())
 
 
+@pytest.mark.parametrize("n", [2, 12, 20, 28, 48, 64, 576, 1280])
+def test_hadamard_matrices_of_the_orders_models_use(n):
+    """Sylvester, Paley I (12, 20), Paley II (28) and their Kronecker products (48, 576 = 4 x 12 x 12 of SmolLM2,
+    1280 = 64 x 20 of Mllama's vision tower): entries +-1, H H^T = n I; powers of 2 as Sylvester alone builds them."""
+    from pipeline.rotate import hadamard, rotation
+
+    h = hadamard(n)
+    assert torch.equal(h.abs(), torch.ones(n, n, dtype=torch.float64))
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
+    q = rotation("hadamard", n, seed=1)
+    assert torch.allclose(q @ q.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    if n & (n - 1) == 0:
+        s = torch.ones(1, 1, dtype=torch.float64)
+        while s.shape[0] < n:
+            s = torch.cat([torch.cat([s, s], 1), torch.cat([s, -s], 1)], 0)
+        assert torch.equal(h, s)
+    assert hadamard(6) is None and hadamard(100) is None
+
+
 def test_rotation_refuses_what_it_cannot_do():
     from pipeline.rotate import rotate_llama, rotation
 
-    with pytest.raises(ValueError, match="not a power of 2"):
-        rotation("hadamard", 576)
+    with pytest.raises(ValueError, match="no Hadamard matrix of order 100"):
+        rotation("hadamard", 100)
     with pytest.raises(ValueError, match="expected one of"):
         rotation("spin", 64)
     gpt2 = type("M", (), {"config": type("C", (), {"model_type": "gpt2"})()})()

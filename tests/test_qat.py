@@ -170,6 +170,29 @@ def test_qat_init_is_checked():
         params.defaults(QATParams, "qat", init="random")
 
 
+def test_group_by_length_batches_pad_less_and_still_visit_every_example_once_an_epoch():
+    """qat.group_by_length: each epoch is the same permutation's examples, megabatches sorted longest first; the
+    plain draw is unchanged (a pure function of step and seed, as resuming needs)."""
+    from pipeline.answers import GROUP_BY_LENGTH_BATCHES, batch_indices
+
+    n, bs = 1000, 8
+    lengths = [192 if i % 4 == 0 else 40 + (i * 37) % 90 for i in range(n)]        # windows beside answers
+    steps = n // bs
+    plain = [batch_indices(n, bs, s, seed=3) for s in range(steps)]
+    grouped = [batch_indices(n, bs, s, seed=3, lengths=lengths) for s in range(steps)]
+    assert sorted(i for b in grouped for i in b) == list(range(n))
+    mega = GROUP_BY_LENGTH_BATCHES * bs
+    flat_plain, flat_grouped = [i for b in plain for i in b], [i for b in grouped for i in b]
+    for a in range(0, n, mega):
+        assert sorted(flat_plain[a:a + mega]) == sorted(flat_grouped[a:a + mega])
+        assert [lengths[i] for i in flat_grouped[a:a + mega]] == sorted((lengths[i] for i in flat_plain[a:a + mega]),
+                                                                        reverse=True)
+    padded = lambda batches: sum(len(b) * max(lengths[i] for i in b) for b in batches)      # noqa: E731
+    assert padded(grouped) < 0.8 * padded(plain)
+    assert batch_indices(n, bs, steps + 5, seed=3, lengths=lengths) != grouped[5]    # the next epoch: a new order
+    assert batch_indices(n, bs, 7, seed=3) == plain[7]
+
+
 def _toy_examples(n: int, seed: int = 0):
     """Training sequences for the committed toy teacher: prompts with its image token, varied lengths."""
     import random

@@ -32,7 +32,7 @@ from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.fit import check_states
 from pipeline.io import write_json, write_text
 from pipeline.models import dtype_of, load_config, load_model, load_processor, token_ids
-from pipeline.answers import batch_indices, collate, load_examples, split_heldout
+from pipeline.answers import batch_indices, collate, load_examples, sequence_lengths, split_heldout
 from pipeline.divergence import kl_sum
 from pipeline.qat.train import QATParams, quantise_student, teacher_forward, teacher_logits
 from pipeline.teacher_source import TeacherParams
@@ -110,7 +110,8 @@ def _compare(name: str, variant, fp32, batches: list, steps: int, bf16: bool = F
 
 def _step_batch(train_set, processor, p, step: int):
     """``(picked indices, batch, loss mask)`` of QAT step ``step``, as training draws it."""
-    picked = batch_indices(len(train_set), p.batch_size, step, p.seed)
+    lengths = sequence_lengths(train_set, p.max_seq_len) if p.group_by_length else None
+    picked = batch_indices(len(train_set), p.batch_size, step, p.seed, lengths)
     batch = collate([train_set[i] for i in picked], processor, p.max_seq_len)
     return picked, batch, batch.pop("loss_mask").bool()
 

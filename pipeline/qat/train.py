@@ -29,7 +29,7 @@ from pipeline.models import dtype_of, load_processor, quantised_weight_names, st
 from pipeline.section import bounded, non_negative, positive
 from pipeline.qat.api import prepare
 from pipeline.qat.distributed import ReshardError
-from pipeline.answers import Example, batch_indices, collate, model_inputs
+from pipeline.answers import Example, batch_indices, collate, model_inputs, sequence_lengths
 from pipeline.divergence import kl_sum
 from pipeline.qat.engines import AccelerateEngine, FSDP2Engine
 from pipeline.precision import Precision
@@ -62,6 +62,8 @@ class QATParams:
     #   trained on beside the answers, every token distilled
     corpus_source: str                           # corpus (the prose corpus' calibration half, never the held-out
     #   half perplexity reads) | english (the shipped English) | file:PATH; several joined by +
+    group_by_length: bool                        # batches of sequences of about one length (less padding; as
+    #   Hugging Face's TrainingArguments.group_by_length: megabatches of 50 batches sorted by length)
 
     def __post_init__(self) -> None:
         for part in self.corpus_source.split("+"):
@@ -159,12 +161,13 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
         # batches of batch_size / grad_accum whatever the process count: the same rows on 1 process or N
         cache = teacher_logits(teacher, examples, processor, p.max_seq_len, p.batch_size // p.grad_accum,
                                engine.device, engine.teacher_dtype)
+    lengths = sequence_lengths(examples, p.max_seq_len) if p.group_by_length else None
     with progress() as bar:
         task = bar.add_task(f"qat {fmt.name}", total=p.steps, completed=start)
         for step in range(start, p.steps):
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = cosine(base, step, p.steps)
-            picked = batch_indices(len(examples), p.batch_size, step, p.seed)
+            picked = batch_indices(len(examples), p.batch_size, step, p.seed, lengths)
             mine = picked[engine.rank::engine.world]
             chunks = [mine[a * micro:(a + 1) * micro] for a in range(p.grad_accum)]
             kl, tokens = _step(engine, student, teacher, optimizer, chunks, examples, processor, p, cache)
