@@ -13,7 +13,7 @@ the GPU when there is one; host memory is then the teacher while it loads plus o
 
 What the teacher reads (``calibrate.source``): ``teacher-answers`` (the training prompts with the teacher's answers,
 images included: the only source for a vision model's image path), ``corpus`` (the part of the project's English
-prose corpus that perplexity is never measured on, :func:`pipeline.eval.text.corpus_text` ``"rest"``), ``english``
+prose corpus that perplexity is never measured on, :func:`pipeline.texts.corpus_text` ``"rest"``), ``english``
 (the public-domain English the project ships, :mod:`pipeline.texts`: fiction, talks, an encyclopedia article),
 ``file:PATH`` (a UTF-8 text file of the user's), the text cut into ``n_prompts`` windows of ``max_seq_len`` tokens,
 or ``self``: ``n_prompts`` sequences of ``max_seq_len`` tokens the teacher samples itself from its BOS token
@@ -27,19 +27,18 @@ QAT table refit only.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from pipeline import ptq, texts
+from pipeline import ptq
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.section import non_negative, positive
 from pipeline.packed.safetensors_io import StreamingWriter
 from pipeline.shards import file_hash, shard_paths
-from pipeline.eval.text import CORPUS, corpus_info, corpus_text, text_windows
 from pipeline.answers import collate, load_examples, model_inputs, split_heldout, tokenizer_of
 from pipeline.teacher_source import TeacherParams
+from pipeline.texts import source_hash, source_text, text_windows  # noqa: F401  (source_text: also imported from here)
 
 
 CALIBRATION = "data/calibration/hessians.safetensors"
@@ -130,31 +129,6 @@ def self_text(model, tokenizer, n: int, length: int, seed: int) -> list[list[int
             ids = torch.cat([ids, nxt], 1)
             out = lm(input_ids=nxt.to(device), cache=out.cache, use_cache=True)
     return ids.tolist()
-
-
-def source_text(source: str, param: str) -> tuple[str, str]:
-    """``(text, what it is)`` of one text source: ``corpus`` (the prose corpus' calibration half), ``english`` (the
-    shipped English) or ``file:PATH``; ``param`` names the parameter in errors."""
-    if source == "corpus":
-        return corpus_text("rest"), f"calibration corpus {CORPUS}"
-    if source == "english":
-        return texts.read("english"), "the shipped English text (pipeline/texts/english.txt)"
-    if not source.startswith("file:"):
-        raise ValueError(f"{param}: {source!r} is not corpus, english or file:PATH")
-    path = Path(source.removeprefix("file:"))
-    if not path.is_file():
-        raise ValueError(f"{param}: {path}: no such file")
-    try:
-        return path.read_text(encoding="utf-8"), str(path)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{param}: {path}: not UTF-8 text ({e})") from None
-
-
-def source_hash(source: str) -> str:
-    """The content hash of one text source of :func:`source_text` (what a fingerprint records)."""
-    if source == "corpus":
-        return corpus_info("rest")["sha256"]
-    return file_hash(texts.path("english") if source == "english" else source.removeprefix("file:"))
 
 
 def calibration_inputs(p: CalibrateParams, processor, teacher_data: str, heldout: int, vocab: int,

@@ -140,19 +140,14 @@ def _calibration_windows(path: str | None, tokenizer, n: int, window: int) -> tu
     encyclopedia article: :mod:`pipeline.texts`), alternating. Either alone fits the cast to its own kind of text
     (README, "A cast that respects the data")."""
     from pipeline import texts
-    from pipeline.eval.text import CORPUS, corpus_text, text_windows
+    from pipeline.texts import CORPUS, corpus_text, read_file, text_windows
 
     if path is None:
         docs = text_windows(corpus_text("rest"), tokenizer, n - n // 2, window, CORPUS)
         english = text_windows(texts.read("english"), tokenizer, n // 2, window, "english")
         mixed = [w for pair in zip(docs, english) for w in pair] + docs[len(english):] + english[len(docs):]
         return mixed, f"{CORPUS} (not its held-out half) + the shipped English text"
-    if not Path(path).is_file():
-        raise ValueError(f"--calibration {path}: no such file")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--calibration {path}: not UTF-8 text ({e})") from None
+    text = read_file(path, "--calibration")
     return text_windows(text, tokenizer, n, window, path), path
 
 
@@ -163,7 +158,8 @@ def _held_out_line(source: Path, out: Path, tokenizer, tokens: int, window: int)
     import torch
 
     from pipeline import texts
-    from pipeline.eval.text import CORPUS, compare_on_windows, corpus_windows, hf_logits_fn, text_windows
+    from pipeline.eval.text import compare_on_windows, hf_logits_fn
+    from pipeline.texts import CORPUS, corpus_windows, text_windows
     from pipeline.models import load_model
     from pipeline.packed.file import load_packed_model
 

@@ -32,7 +32,7 @@ def _pack(teacher_dir, model, root):
 def test_packed_and_gguf_rows_against_the_teacher_on_a_text(teacher, bf16_gguf, tmp_path):  # noqa: F811
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.eval.text import text_windows
+    from pipeline.texts import text_windows
 
     model, _, teacher_dir = teacher
     _pack(teacher_dir, model, tmp_path / "packed")
@@ -69,7 +69,7 @@ def test_a_text_that_is_not_utf8_is_named(teacher, tmp_path):  # noqa: F811
     _, _, teacher_dir = teacher
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9 ".encode("latin-1") * 20)
-    with pytest.raises(ValueError, match=r"latin1\.txt: not UTF-8"):
+    with pytest.raises(ValueError, match=r"--text: .*latin1\.txt: not UTF-8"):
         perplexity.main(["--text", str(bad), "--teacher", str(teacher_dir), "--packed", "", "--out",
                          str(tmp_path / "o")])
     with pytest.raises(SystemExit):

@@ -216,19 +216,18 @@ def test_cached_teacher_logits_give_the_per_step_kl_and_gradients():
     forward's to bf16 rounding, and the KL and the student's gradients agree to 1e-3 relative."""
     from pipeline.answers import collate
     from pipeline.divergence import kl_sum
-    from pipeline.qat.train import teacher_forward, teacher_logits
+    from pipeline.teacher_logits import TeacherLogits
 
     teacher, processor = _toy(torch.bfloat16)
     examples = _toy_examples(6)
-    cache = teacher_logits(teacher, examples, processor, 160, 4, "cpu", torch.bfloat16)
-    assert [c.shape[0] for c in cache] == [len(e.response_ids) for e in examples]
-    assert all(c.dtype == torch.bfloat16 for c in cache)
+    cache = TeacherLogits(teacher, torch.bfloat16, examples, processor, 160, 4, "cpu")
+    assert [cache[i].shape[0] for i in range(6)] == [len(e.response_ids) for e in examples]
+    assert all(cache[i].dtype == torch.bfloat16 for i in range(6))
     picked = [5, 1, 2]                              # another composition and padding than the cache's batches
     batch = collate([examples[i] for i in picked], processor, 160)
+    per_step = TeacherLogits(teacher, torch.bfloat16).rows(batch)                   # the forward, no cache
     keep = batch.pop("loss_mask").bool()
-    with torch.no_grad():
-        per_step = teacher_forward(teacher, batch, torch.bfloat16)[keep]
-    cached = torch.cat([cache[i] for i in picked])
+    cached = cache.rows(batch, picked)
     assert cached.shape == per_step.shape
     assert torch.allclose(cached.float(), per_step.float(), rtol=0, atol=0.07)   # a few bf16 ulps of |logit| < 16
 
@@ -250,7 +249,7 @@ def test_qat_steps_give_the_same_bytes_at_one_thread_count(threads):
     """Same parameters and seeds, same thread count: the same student bytes (a fixed reduction order)."""
     from pipeline.answers import collate
     from pipeline.divergence import kl_sum
-    from pipeline.qat.train import teacher_logits
+    from pipeline.teacher_logits import TeacherLogits
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -260,7 +259,7 @@ def test_qat_steps_give_the_same_bytes_at_one_thread_count(threads):
         states = fitted(_toy(torch.float32)[0], "int")
         runs = []
         for _ in range(2):
-            cache = teacher_logits(teacher, examples, processor, 160, 2, "cpu", torch.bfloat16)
+            cache = TeacherLogits(teacher, torch.bfloat16, examples, processor, 160, 2, "cpu")
             student, _ = _toy(torch.float32)
             prepare(student, formats.get("int"), states)
             optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)

@@ -140,6 +140,11 @@ def test_text_reference_scores(teacher, tokenizer):
     examples = [Example(0, None, (40, 41, 42), (43, 44, 2)), Example(1, None, (50, 51), (52, 53))]
     windows = [[70, 71, 72, 73, 74], [75, 76, 77]]
     ref = text.TextReference.build(teacher, tokenizer, examples, windows)
+    with torch.inference_mode():                         # the rows a plain unpadded forward gives, bit for bit
+        for e, seq in zip(examples, ref.answers):
+            ids = list(e.prompt_ids + e.response_ids)
+            plain = teacher(input_ids=torch.tensor([ids])).logits[0, len(e.prompt_ids) - 1:len(ids) - 1]
+            assert torch.equal(seq.teacher, plain)
     own = ref.score(text.hf_logits_fn(teacher))
     assert own["kl"] == pytest.approx(0, abs=1e-6) and own["top1_agreement"] == 1
     assert own["kl_tokens"] == 3 + 2 and own["perplexity_tokens"] == 4 + 2

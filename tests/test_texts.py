@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import texts
-from pipeline.eval.text import corpus_text, text_windows
+from pipeline.texts import corpus_text, text_windows
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,8 +61,22 @@ def test_pack_calibrates_on_docs_and_english_alternating_by_default(tokenizer, t
     mine = tmp_path / "mine.txt"
     mine.write_text("one two three " * 50)
     assert _calibration_windows(str(mine), tokenizer, 2, 64)[0] == text_windows(mine.read_text(), tokenizer, 2, 64, "")
-    with pytest.raises(ValueError, match="no such file"):
+    with pytest.raises(ValueError, match="--calibration: .*none.txt: no such file"):
         _calibration_windows(str(tmp_path / "none.txt"), tokenizer, 2, 64)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1"))
+    with pytest.raises(ValueError, match="--calibration: .*latin1.txt: not UTF-8"):
+        _calibration_windows(str(tmp_path / "latin1.txt"), tokenizer, 2, 64)
+
+
+def test_the_corpus_and_the_text_sources_live_in_texts_and_answer_under_their_old_homes_too():
+    from pipeline import calibrate
+    from pipeline.eval import text
+
+    for name in ("CORPUS", "corpus_text", "corpus_info", "corpus_windows", "text_windows"):
+        assert getattr(text, name) is getattr(texts, name)
+    assert calibrate.source_text is texts.source_text and calibrate.source_hash is texts.source_hash
+    assert texts.source_text("english", "p")[0] == texts.read("english")
+    assert texts.source_text("corpus", "p")[0] == texts.corpus_text("rest")
 
 
 @pytest.mark.skipif(not os.environ.get("S3D8_TEXT_SDISTS"),

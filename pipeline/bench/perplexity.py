@@ -34,16 +34,13 @@ def measure(text_path: Path, teacher_dir: Path, packed_root: str, ggufs: list[st
 
     from pipeline.bench import machine
     from pipeline.bench.real_model import packed_models
-    from pipeline.eval.text import hf_logits_fn, text_windows
+    from pipeline.eval.text import hf_logits_fn
     from pipeline.stage import console, progress
 
-    raw = text_path.read_bytes()
-    try:
-        body = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{text_path}: not UTF-8 text ({e})") from None
+    body = texts.read_file(text_path, "--text")
+    raw = body.encode("utf-8")
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
-    windows = text_windows(body, tokenizer, -(-tokens // window), window, f"--text {text_path}")
+    windows = texts.text_windows(body, tokenizer, -(-tokens // window), window, f"--text {text_path}")
     config = AutoConfig.from_pretrained(str(teacher_dir))
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.bfloat16).eval()
     r = _nll(hf_logits_fn(teacher), windows)

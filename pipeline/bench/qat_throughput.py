@@ -34,7 +34,8 @@ from pipeline.io import write_json, write_text
 from pipeline.models import dtype_of, load_config, load_model, load_processor, token_ids
 from pipeline.answers import batch_indices, collate, load_examples, sequence_lengths, split_heldout
 from pipeline.divergence import kl_sum
-from pipeline.qat.train import QATParams, quantise_student, teacher_forward, teacher_logits
+from pipeline.qat.train import QATParams, quantise_student
+from pipeline.teacher_logits import TeacherLogits
 from pipeline.teacher_source import TeacherParams
 
 PARTS = ["collate", "teacher forward", "teacher cache gather", "student forward", "kl", "backward", "optimizer"]
@@ -130,9 +131,9 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
     dtype = dtype_of(teacher_p.dtype)
     teacher = load_model(teacher_p.source, dtype).requires_grad_(False)
     t0 = time.perf_counter()
-    cache = teacher_logits(teacher, train_set, processor, p.max_seq_len, p.batch_size, "cpu", dtype)
+    cache = TeacherLogits(teacher, dtype, train_set, processor, p.max_seq_len, p.batch_size, "cpu")
     cache_s = time.perf_counter() - t0
-    cache_bytes = sum(c.numel() * c.element_size() for c in cache)
+    cache_bytes = sum(c.numel() * c.element_size() for c in cache.cached)
     student = load_model(teacher_p.source, torch.float32)
     t0 = time.perf_counter()
     quantise_student(student, fmt, states, p, start if calibration.path else None, {})
@@ -153,10 +154,9 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
 
         picked, batch, keep = _step_batch(train_set, processor, p, step)
         tick("collate")
-        with torch.no_grad():
-            t_rows = teacher_forward(teacher, batch, dtype)[keep]
+        t_rows = cache.forward(batch)[keep]
         tick("teacher forward")
-        cached = torch.cat([cache[i] for i in picked])
+        cached = cache.rows(batch, picked)
         tick("teacher cache gather")
         s = student(**batch).logits[keep]
         tick("student forward")

@@ -322,6 +322,7 @@ def run(args, out_dir: str | Path | None = None) -> dict:
     each model (``"complete": false`` until the last)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline import texts
     from pipeline.eval import text
     from pipeline.answers import load_examples, split_heldout
     from pipeline.stage import console, progress
@@ -336,9 +337,8 @@ def run(args, out_dir: str | Path | None = None) -> dict:
     notes = []
 
     console.print(f"real model: teacher {teacher_dir}, held-out answers from {args.teacher_data}")
-    examples = load_examples(args.teacher_data, config.vocab_size)
-    _, held = split_heldout(examples, args.heldout)
-    windows = text.corpus_windows(tokenizer, args.ppl_tokens, args.ppl_window)
+    _, held = split_heldout(load_examples(args.teacher_data, config.vocab_size), args.heldout)
+    windows = texts.corpus_windows(tokenizer, args.ppl_tokens, args.ppl_window)
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.bfloat16).eval()
     reference = text.TextReference.build(teacher, tokenizer, held, windows, max_seq_len=args.max_seq_len)
     teacher_scores = reference.score(text.hf_logits_fn(teacher))
@@ -369,7 +369,7 @@ def run(args, out_dir: str | Path | None = None) -> dict:
                             "kl": 0.0, "top1_agreement": 1.0, "perplexity": teacher_scores["perplexity"],
                             "heldout_answers": len(reference.answers), "kl_tokens": teacher_scores["kl_tokens"],
                             "max_seq_len": args.max_seq_len,
-                            "corpus": {**text.corpus_info(), "tokens": args.ppl_tokens, "window": args.ppl_window,
+                            "corpus": {**texts.corpus_info(), "tokens": args.ppl_tokens, "window": args.ppl_window,
                                        "windows": len(windows),
                                        "predicted_tokens": teacher_scores["perplexity_tokens"]},
                             "teacher_data": str(args.teacher_data)},

@@ -48,6 +48,7 @@ def measure(packed: Path, teacher_dir: Path, teacher_data: str, heldout: int, ma
             ppl_window: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline import texts
     from pipeline.eval import text
     from pipeline.packed.file import load_packed_model
     from pipeline.answers import load_examples, split_heldout
@@ -56,7 +57,7 @@ def measure(packed: Path, teacher_dir: Path, teacher_data: str, heldout: int, ma
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
     _, held = split_heldout(load_examples(teacher_data, teacher.config.vocab_size), heldout)
-    windows = text.corpus_windows(tokenizer, ppl_tokens, ppl_window)
+    windows = texts.corpus_windows(tokenizer, ppl_tokens, ppl_window)
     reference = text.TextReference.build(teacher, tokenizer, held, windows, max_seq_len=max_seq_len)
     student = load_packed_model(packed, kernel="torch").eval()
     console.print(f"sensitivity: {packed} against {teacher_dir}")

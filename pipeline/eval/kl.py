@@ -5,34 +5,31 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.answers import collate, model_inputs
-from pipeline.divergence import response_kl_sum
+from pipeline.answers import collate
+from pipeline.divergence import kl_sum
+from pipeline.teacher_logits import TeacherLogits, model_logits
 
 
 class HeldoutKL:
-    """Streams: the teacher's logits are recomputed batch by batch beside the model's, so memory holds one
-    batch of logits of each, whatever the number of held-out prompts (at 11B a cache of every teacher logit
-    would take ~134 GB)."""
+    """Streams: the teacher's logits are recomputed batch by batch beside the model's (:class:`TeacherLogits`
+    without a cache), so memory holds one batch of logits of each, whatever the number of held-out prompts (at 11B
+    a cache of every teacher logit would take ~134 GB)."""
 
     def __init__(self, teacher, processor, examples, batch_size: int, max_seq_len: int) -> None:
         if batch_size < 1:
             raise ValueError(f"parameter eval.kl_batch_size={batch_size}: must be >= 1")
-        self.teacher = teacher
+        self.teacher = TeacherLogits(teacher, device=teacher.device)
         self.batches = [collate(examples[i:i + batch_size], processor, max_seq_len)
                         for i in range(0, len(examples), batch_size)]
 
-    @staticmethod
     @torch.inference_mode()
-    def logits(model, batch) -> torch.Tensor:
-        return model(**model_inputs(batch, model.dtype, model.device)).logits.float()
-
     def __call__(self, model) -> float:
         if not self.batches:
             return float("nan")
         total = tokens = 0.0
         for batch in self.batches:
-            student = self.logits(model, batch)
-            total += response_kl_sum(student, self.logits(self.teacher, batch).to(student.device),
-                                     batch["loss_mask"].to(student.device)).item()
+            student = model_logits(model, batch, device=model.device)
+            keep = batch["loss_mask"].bool().to(student.device)
+            total += kl_sum(student[keep], self.teacher.rows(batch).to(student.device)).item()
             tokens += int(batch["loss_mask"].sum())
         return total / tokens

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline import formats
-from pipeline.eval.text import corpus_info
+from pipeline.texts import corpus_info
 from pipeline.io import atomic_dir, atomic_path, write_json, write_text
 
 # SPEC section 6: Llama 3.2 11B Vision Instruct, published.

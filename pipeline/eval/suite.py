@@ -155,7 +155,8 @@ def _run_text(p: EvalParams, teacher_p: TeacherParams, teacher_dir: str, teacher
     perplexity on the held-out corpus (:mod:`pipeline.eval.text`), and a greedy generation sample for the first
     held-out prompt. ``({"models": {name: {format, method, bpp, size_mb, kl, top1_agreement, perplexity}}},
     {}, {name: sample table})``. One process scores every model (a 135M model takes seconds per model)."""
-    from pipeline.eval.text import TextReference, corpus_windows, hf_logits_fn
+    from pipeline.eval.text import TextReference, hf_logits_fn
+    from pipeline.texts import corpus_windows
 
     if state.num_processes > 1:
         raise ValueError("eval of a text-only teacher runs on one process: set launch.num_processes=1")

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from pipeline import params
 from pipeline.answers import load_examples, split_heldout, text_examples
-from pipeline.calibrate import CALIBRATION, Calibration, source_hash, source_text
+from pipeline.calibrate import CALIBRATION, Calibration
+from pipeline.texts import source_hash, source_text, text_windows
 from pipeline.chat import is_text_only, tokenizer_of
 from pipeline.direct_cast import INDEX, DirectCast
-from pipeline.eval.text import text_windows
 from pipeline.fit import check_states
 from pipeline.formats import FormatBase
 from pipeline.io import write_json

@@ -29,13 +29,14 @@ from pipeline.models import dtype_of, load_processor, quantised_weight_names, st
 from pipeline.section import bounded, non_negative, positive
 from pipeline.qat.api import prepare
 from pipeline.qat.distributed import ReshardError
-from pipeline.answers import Example, batch_indices, collate, model_inputs, sequence_lengths
+from pipeline.answers import Example, batch_indices, collate, sequence_lengths
 from pipeline.divergence import kl_sum
 from pipeline.qat.engines import AccelerateEngine, FSDP2Engine
 from pipeline.precision import Precision
 from pipeline.qat.modules import learned_scale
 from pipeline.recipe import Quantised, quantised_modules
 from pipeline.stage import console, progress
+from pipeline.teacher_logits import TeacherLogits
 
 
 @dataclass
@@ -156,11 +157,10 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
         for record in history:                      # a resumed run re-logs what the checkpoint holds
             _log(live, record)
     began = time.perf_counter()
-    cache = None
-    if p.teacher_logits == "cache" and start < p.steps:
-        # batches of batch_size / grad_accum whatever the process count: the same rows on 1 process or N
-        cache = teacher_logits(teacher, examples, processor, p.max_seq_len, p.batch_size // p.grad_accum,
-                               engine.device, engine.teacher_dtype)
+    cached = p.teacher_logits == "cache" and start < p.steps
+    # batches of batch_size / grad_accum whatever the process count: the same rows on 1 process or N
+    source = TeacherLogits(teacher, engine.teacher_dtype, examples if cached else None, processor, p.max_seq_len,
+                           p.batch_size // p.grad_accum, engine.device, what="qat: teacher logits")
     lengths = sequence_lengths(examples, p.max_seq_len) if p.group_by_length else None
     with progress() as bar:
         task = bar.add_task(f"qat {fmt.name}", total=p.steps, completed=start)
@@ -170,7 +170,7 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
             picked = batch_indices(len(examples), p.batch_size, step, p.seed, lengths)
             mine = picked[engine.rank::engine.world]
             chunks = [mine[a * micro:(a + 1) * micro] for a in range(p.grad_accum)]
-            kl, tokens = _step(engine, student, teacher, optimizer, chunks, examples, processor, p, cache)
+            kl, tokens = _step(engine, student, source, optimizer, chunks, examples, processor, p)
             record = {"step": step + 1, "kl": kl / max(tokens, 1), "lr": cosine(lr, step, p.steps),
                       "tokens": int(tokens)}
             history.append(record)
@@ -225,8 +225,8 @@ def _resume(engine, checkpoint: Path, student, optimizer, fingerprint: str, name
     return 0, []
 
 
-def _step(engine, student, teacher, optimizer, chunks: list, examples: list[Example], processor, p: QATParams,
-          cache) -> tuple[float, float]:
+def _step(engine, student, teacher: TeacherLogits, optimizer, chunks: list, examples: list[Example], processor,
+          p: QATParams) -> tuple[float, float]:
     """One optimizer step over this process's micro-batches ``chunks``: ``(KL sum, response tokens)`` of the
     global batch."""
     batches = [collate([examples[i] for i in chunk], processor, p.max_seq_len) for chunk in chunks]
@@ -235,12 +235,8 @@ def _step(engine, student, teacher, optimizer, chunks: list, examples: list[Exam
     kl_total = 0.0
     for a, batch in enumerate(batches):
         batch = {k: v.to(engine.device) for k, v in batch.items()}
+        t_logits = teacher.rows(batch, chunks[a])
         keep = batch.pop("loss_mask").bool()
-        if cache is not None:
-            t_logits = torch.cat([cache[i] for i in chunks[a]])
-        else:
-            with torch.no_grad():
-                t_logits = teacher_forward(teacher, batch, engine.teacher_dtype)[keep]
         kl = kl_sum(student(**batch).logits[keep], t_logits)
         # DDP and FSDP2 average gradients over processes; scale back to a sum over the global batch.
         loss = kl / max(global_tokens, 1) * engine.world
@@ -249,32 +245,6 @@ def _step(engine, student, teacher, optimizer, chunks: list, examples: list[Exam
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return engine.reduce_sum(torch.tensor(kl_total, device=engine.device)).item(), global_tokens
-
-
-def teacher_forward(teacher, batch: dict, dtype: torch.dtype) -> torch.Tensor:
-    """The teacher's logits of a batch (``answers.collate``'s), its inputs in ``dtype``."""
-    return teacher(**model_inputs(batch, dtype)).logits
-
-
-def teacher_logits(teacher, examples: list[Example], processor, max_seq_len: int, batch_size: int, device,
-                   dtype: torch.dtype) -> list[torch.Tensor]:
-    """The teacher's logits at every response position (the loss mask's) of every training sequence, in the
-    teacher's own dtype (bf16: the rows it outputs, bit for bit): ``[n_i, V]`` per example, in example order.
-    One forward per ``batch_size`` sequences in example order (each process computes all of them: a sharded
-    teacher's forward is collective), so the cache is a pure function of the examples and parameters. Batched
-    and padded otherwise than at a training step, the rows may differ from a per-step forward's in the last
-    bits of bf16 (tests/test_qat.py bounds it)."""
-    out: list[torch.Tensor] = []
-    with torch.no_grad(), progress() as bar:
-        task = bar.add_task("qat: teacher logits", total=len(examples))
-        for a in range(0, len(examples), batch_size):
-            batch = collate(examples[a:a + batch_size], processor, max_seq_len)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            keep = batch.pop("loss_mask").bool()
-            logits = teacher_forward(teacher, batch, dtype)
-            out.extend(logits[i][keep[i]].clone() for i in range(len(keep)))
-            bar.advance(task, len(keep))
-    return out
 
 
 def quantise_student(model, plan: Precision | FormatBase, states: dict, p: QATParams, start: Start | None,
