@@ -19,24 +19,48 @@ Importing this module first in a stage script, before torch computes anything, p
 
 The native S3D8 kernels need no pin: every variant equals the scalar reference bit for bit. The price is speed
 where the CPU has more than AVX2 (the toy's stages are overhead-bound; a real teacher's bf16 products lose AMX).
-``S3D8_CPU_NUMERICS=native`` leaves torch's choices alone: faster, and results that depend on the CPU. Other
-architectures are left alone too (their kernels are not pinned), and so are GPUs.
+``cpu_numerics: native`` in ``params.yaml`` (every stage lists it, so DVC re-runs them when it changes) leaves torch's
+choices alone: faster, and results that depend on the CPU. The environment variable ``S3D8_CPU_NUMERICS``
+(``portable`` or ``native``) overrides the file for one process outside DVC (``s3d8 pack``, a benchmark); DVC does
+not see it. Other architectures are left alone too (their kernels are not pinned), and so are GPUs.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import torch
 
+from pipeline.params import check_cpu_numerics as check_mode
+from pipeline.section import load_yaml
+
 PINNED_CAPABILITY = "AVX2"
 OPT_OUT = "S3D8_CPU_NUMERICS"
+PARAM = "cpu_numerics"
+
+
+def mode(params: str | Path = "params.yaml") -> str:
+    """``portable`` or ``native``: ``S3D8_CPU_NUMERICS`` where it is set, else ``params``' top-level ``cpu_numerics``
+    (the working directory's ``params.yaml``: a stage's), else portable."""
+    if OPT_OUT in os.environ:
+        try:
+            return check_mode(os.environ[OPT_OUT])
+        except ValueError as e:
+            raise ValueError(f"environment variable {OPT_OUT}: {e}") from None
+    doc = load_yaml(Path(params)) if Path(params).is_file() else None
+    if not isinstance(doc, dict) or PARAM not in doc:
+        return "portable"
+    try:
+        return check_mode(doc[PARAM])
+    except ValueError as e:
+        raise ValueError(f"{params}: parameter {PARAM}: {e}") from None
 
 
 def pinned() -> bool:
-    """Whether this process pins the CPU code path (x86-64, not opted out)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and os.environ.get(OPT_OUT, "portable") != "native"
+    """Whether this process pins the CPU code path (x86-64, portable numerics)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and mode() == "portable"
 
 
 def pin() -> None:
@@ -50,12 +74,12 @@ def pin() -> None:
     if capability != PINNED_CAPABILITY:
         raise RuntimeError(f"torch runs its {capability} kernels, not {PINNED_CAPABILITY}: either torch computed "
                            f"before pipeline.cpu_numerics was imported (import it first) or this CPU lacks AVX2 "
-                           f"({OPT_OUT}=native runs without the pin)")
+                           f"({PARAM}: native runs without the pin)")
 
 
 def describe() -> dict:
     """The code path this process runs, for run logs."""
-    return {"pinned": pinned(), "aten": torch.backends.cpu.get_cpu_capability(),
+    return {"mode": mode(), "pinned": pinned(), "aten": torch.backends.cpu.get_cpu_capability(),
             "mkldnn": torch.backends.mkldnn.enabled, "mkl_cbwr": os.environ.get("MKL_CBWR")}
 
 

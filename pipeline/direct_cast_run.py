@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import ranks
+from pipeline import cpu_numerics, ranks
 from pipeline.answers import model_inputs
 from pipeline.calibrate import CALIBRATION, Calibration, calibration_fingerprint, calibration_inputs
 from pipeline.packed.checkpoint import CheckpointReader
@@ -58,7 +58,7 @@ def run(fmt: FormatBase, doc: dict, teacher_data: str) -> None:
     # modification time) while the others wait as long as reading them takes
     read = [*root.glob("*.safetensors"), *([Path(CALIBRATION)] if calibration.path else [])]
     fp = ranks.on_rank0(launch, sum(f.stat().st_size for f in read), lambda: cast_fingerprint(
-        [fmt.name, method, plan.rules, file_hash(state_file), on.type,
+        [fmt.name, method, plan.rules, file_hash(state_file), on.type, cpu_numerics.pinned(),
          calibration_fingerprint(cal, teacher_data) if in_order else None], root, calibration.path), share=True)
     staging = Path(f"checkpoints/direct-cast/{fmt.name}")
     staging.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,17 @@ def sections() -> dict[str, Any]:
     return {"toy_teacher": ToyTeacherParams, "teacher": TeacherParams, "formats": check_names,
             "heldout_prompts": check_heldout, "fit": FitParams, "sample": SampleParams, "generate": GenerateParams,
             "calibrate": CalibrateParams, "qat": QATParams, "pack": PackParams, "eval": EvalParams,
-            "bench": BenchParams, "launch": LaunchParams}
+            "bench": BenchParams, "launch": LaunchParams, "cpu_numerics": check_cpu_numerics}
+
+
+CPU_NUMERICS = ("portable", "native")
+
+
+def check_cpu_numerics(value) -> str:
+    """The ``cpu_numerics`` parameter (:mod:`pipeline.cpu_numerics`): portable or native."""
+    if value not in CPU_NUMERICS:
+        raise ValueError(f"expected portable or native, got {value!r}")
+    return value
 
 
 def validate(doc: Any, path: str | Path = "params.yaml") -> dict[str, Any]:

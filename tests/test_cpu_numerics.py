@@ -107,3 +107,33 @@ def test_every_stage_but_the_cpu_dependent_ones_pins_first():
         project = [line for line in imports if not line.split()[1].split(".")[0] in sys.stdlib_module_names]
         pins = bool(project) and project[0].startswith("import pipeline.cpu_numerics")
         assert pins == (script.name not in unpinned), script.name
+
+
+def test_the_mode_is_a_parameter_dvc_tracks_and_the_environment_overrides_it(tmp_path, monkeypatch):
+    """params.yaml's ``cpu_numerics`` (every pinned stage lists it in dvc.yaml) chooses the code path; the
+    environment variable overrides it for one process; anything but portable / native is an error naming it."""
+    import yaml
+
+    from pipeline import cpu_numerics, params
+
+    monkeypatch.delenv(cpu_numerics.OPT_OUT, raising=False)
+    path = tmp_path / "params.yaml"
+    assert cpu_numerics.mode(path) == "portable"                         # no file: portable
+    path.write_text("cpu_numerics: native\n")
+    assert cpu_numerics.mode(path) == "native"
+    monkeypatch.setenv(cpu_numerics.OPT_OUT, "portable")
+    assert cpu_numerics.mode(path) == "portable"
+    monkeypatch.setenv(cpu_numerics.OPT_OUT, "fast")
+    with pytest.raises(ValueError, match="S3D8_CPU_NUMERICS: expected portable or native, got 'fast'"):
+        cpu_numerics.mode(path)
+    monkeypatch.delenv(cpu_numerics.OPT_OUT)
+    path.write_text("cpu_numerics: avx2\n")
+    with pytest.raises(ValueError, match="parameter cpu_numerics: expected portable or native"):
+        cpu_numerics.mode(path)
+    with pytest.raises(params.ParamsError, match="cpu_numerics"):
+        params.validate({**params.load_yaml("params.yaml"), "cpu_numerics": "avx2"})
+    stages = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "dvc.yaml")))["stages"]
+    unpinned = {"toy-teacher", "arm-bench"}
+    for name, stage in stages.items():
+        body = stage.get("do", stage)
+        assert ("cpu_numerics" in body.get("params", [])) == (name not in unpinned), name

@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import params
+from pipeline import cpu_numerics, params
 from pipeline.answers import load_examples, split_heldout, text_examples
 from pipeline.calibrate import CALIBRATION, Calibration
 from pipeline.texts import source_hash, source_text, text_windows
@@ -49,8 +49,8 @@ def run(fmt: FormatBase, params_path: str, teacher_data: str) -> None:
         h = calibration.get(name)
         return None if h is None else h.diagonal().contiguous()
 
-    # the thread count stays in: it sets the reduction order, so a checkpoint resumes on the count it was made on
-    fp = fingerprint(asdict(p) | {"checkpoint_every": None}, fmt.name, plan.rules or None, file_hash(state_file),
+    # the thread count and the CPU code path stay in: they set the reduction order, so a checkpoint resumes on them
+    fp = fingerprint(asdict(p) | {"checkpoint_every": None}, cpu_numerics.pinned(), fmt.name, plan.rules or None, file_hash(state_file),
                      [file_hash(s) for s in shard_paths(teacher_data)], heldout,
                      file_hash(local_dir(teacher.dir) / "config.json"),
                      file_hash(cast.path / INDEX) if cast is not None else None,
