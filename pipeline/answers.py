@@ -130,7 +130,8 @@ def batch_indices(n_examples: int, batch_size: int, step: int, seed: int,
 def collate(examples: list[Example], processor, max_seq_len: int,
             pool: str | None = None) -> dict[str, torch.Tensor]:
     """Model inputs plus ``loss_mask`` for a list of examples (right padding). With ``pool`` (the
-    ``sample.images`` spec) every image reference must lie inside that pool."""
+    ``sample.images`` spec) every image reference must lie inside that pool. ``processor`` None: a text-only
+    model's batch padded with id 0 (the attention mask hides it)."""
     seqs, masks = [], []
     for e in examples:
         if not e.prompt_ids:
@@ -145,7 +146,7 @@ def collate(examples: list[Example], processor, max_seq_len: int,
         seqs.append(ids)
         masks.append(mask)
     length = max(len(s) for s in seqs)
-    pad = tokenizer_of(processor).pad_token_id
+    pad = 0 if processor is None else tokenizer_of(processor).pad_token_id
     input_ids = torch.full((len(seqs), length), pad, dtype=torch.long)
     attention = torch.zeros((len(seqs), length), dtype=torch.long)
     loss_mask = torch.zeros((len(seqs), length), dtype=torch.long)
@@ -153,7 +154,7 @@ def collate(examples: list[Example], processor, max_seq_len: int,
         input_ids[i, :len(s)] = torch.tensor(s)
         attention[i, :len(s)] = 1
         loss_mask[i, :len(m)] = torch.tensor(m)
-    if is_text_only(processor):
+    if processor is None or is_text_only(processor):
         if any(e.image_ref is not None for e in examples):
             raise ValueError(f"prompt {next(e.index for e in examples if e.image_ref is not None)}: an image "
                              f"reference, but the teacher is a text-only model")
