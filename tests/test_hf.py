@@ -227,6 +227,14 @@ def test_card_gets_the_scores(packed, tmp_path):
     card = fill_card(packed / "s3d8", tmp_path / "eval.json", tmp_path / "README.md").read_text()
     assert "| s3d8-qat | 2.92 | 0.0500 | 0.900 | 0.400 | 0.650 |" in card
     assert "| bf16-teacher | 16.00 | 0.0000 | 1.000 | 0.500 | 0.750 |" in card
+    text = {"models": {                                 # a text model's eval: KL, top-1 agreement, perplexity
+        "bf16-teacher": {"format": "bf16", "method": "teacher", "bpp": 16.0, "size_mb": 1.0, "kl": 0.0,
+                         "top1_agreement": 1.0, "perplexity": 16.61},
+        "s3d8-qat": {"format": "s3d8", "method": "qat", "bpp": 3.68, "size_mb": 0.2, "kl": 0.4,
+                     "top1_agreement": 0.72, "perplexity": 19.43}}}
+    (tmp_path / "eval.json").write_text(json.dumps(text))
+    card = fill_card(packed / "s3d8", tmp_path / "eval.json", tmp_path / "README.md").read_text()
+    assert "| s3d8-qat | 3.68 | 0.4000 | 0.720 | 19.43 |" in card and "every linear and embedding weight" in card
 
 
 def test_import_pipeline_stays_cheap():
@@ -252,6 +260,9 @@ def test_a_precision_plan_loads_through_transformers_and_saves_back(teacher, tmp
                     metadata={"config": load_config(str(teacher)).to_dict(), "method": "direct-cast"})
     saved = json.loads((out / "config.json").read_text())["quantization_config"]
     assert saved["formats"] == {f"{n}.weight": "int8" for n in other} and other
+    card = (out / "README.md").read_text()                      # the card says which weights are not S3D8
+    assert f"({len(other)} in another format: the precision plan below)" in card
+    assert all(f"| `{n}.weight` | INT8 |" in card for n in other) and "decoder Linears" in card
     reference = load_packed_model(out / "model.safetensors")
     model = from_pretrained(out, dtype=torch.float32, quantization_config=PackedQuantConfig(kernel="torch"))
     x = inputs(model.config)

@@ -17,7 +17,7 @@ from pipeline import formats
 from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.hf.config import (BASE_MODEL_TYPES, GUARD_PREFIX, HINT, HINT_KEY, INDEX_NAME, INSTALL, MAX_SHARD_SIZE,
                                 MODEL_TYPE, QUANT_FORMAT, WEIGHTS_NAME, guard_model_type, quant_method, saved_config)
-from pipeline.packed.file import PACKED_VERSION, read_metadata, write_packed
+from pipeline.packed.file import PACKED_VERSION, bits_two_ways, read_metadata, write_packed
 from pipeline.packed.safetensors_io import TORCH_DTYPES, StreamingWriter, tensor_specs
 
 
@@ -118,8 +118,9 @@ def write_model_dir(out: str | os.PathLike, source: CheckpointReader, fmt, state
     except OSError:
         generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(teacher_dir)))
     generation.save_pretrained(str(out))
-    (out / "README.md").write_text(model_card(fmt.name, method, summary, base_model=base_model,
-                                              teacher_name=teacher_name, model_type=config["model_type"]))
+    (out / "README.md").write_text(model_card(fmt.name, method, _card_summary(read_metadata(out / files[0]), out),
+                                              base_model=base_model, teacher_name=teacher_name,
+                                              model_type=config["model_type"]))
     return summary
 
 
@@ -252,14 +253,26 @@ def model_card(fmt: str, method: str, summary: dict, *, base_model: str, teacher
     lines += ["---", "", f"# {teacher_name}: {f.label} ({method})", ""]
     how = "cast directly from the teacher" if method == "direct-cast" else \
         "after quantisation-aware distillation from the teacher"
-    lines += [f"`{base_model}` with every linear and embedding weight in **{f.label}** ({how}), written by "
-              f"s3d8-pipeline.", "",
+    overrides = summary.get("overrides") or {}
+    which = "every linear and embedding weight" if not overrides else \
+        f"its linear and embedding weights ({len(overrides)} in another format: the precision plan below)"
+    lines += [f"`{base_model}` with {which} in **{f.label}** ({how}), written by s3d8-pipeline.", "",
               "| | |", "| --- | --- |",
               f"| format | {f.label} (`quant_method: {quant_method(fmt)}`, layout `{f.layout}`) |",
               f"| bits per parameter | {summary['bits_per_param_nominal']:.3f} nominal, "
-              f"{summary['bits_per_param_actual']:.3f} with padding and tables |",
-              f"| quantised parameters | {summary['quantised_params']:,} |",
+              f"{summary['bits_per_param_actual']:.3f} with padding and tables |"]
+    if "bits_per_weight_whole" in summary:
+        lines.append(f"| bits per weight | {summary['bits_per_weight_whole']:.2f} whole model, "
+                     f"{summary['bits_per_weight_linears']:.2f} decoder Linears (the paper's accounting, without the "
+                     f"vocabulary) |")
+    if summary.get("rotate"):
+        lines.append(f"| rotation | `{summary['rotate']}`: the residual stream rotated before casting (exact; an "
+                     f"ordinary checkpoint for transformers) |")
+    lines += [f"| quantised parameters | {summary['quantised_params']:,} |",
               f"| weight files | {summary['file_bytes'] / 1e6:,.1f} MB |", ""]
+    if overrides:
+        lines += ["Precision plan (weights not in " + f.label + "):", "", "| weight | format |", "| --- | --- |"]
+        lines += [f"| `{n}` | {formats.get(o).label} |" for n, o in sorted(overrides.items())] + [""]
     lines += ["## Loading", "",
               "The weights load with the s3d8-pipeline package, which is not on PyPI: install it from its "
               "source checkout or from a wheel built there (`pip wheel --no-deps .`):", "",
@@ -277,11 +290,17 @@ def model_card(fmt: str, method: str, summary: dict, *, base_model: str, teacher
               "computes in the `dtype` passed to `from_pretrained` (default: the config's). "
               f"Without `import pipeline`, transformers stops with an error about the model type `{model_type}` "
               "(it cannot decode these weights). `model.safetensors` is the SPEC section 7 packed file"
-              + (f" ({f.reader} reads it)." if f.reader else "."), ""]
+              + (f" ({f.reader} reads {'it' if not overrides else 'its ' + f.label + ' weights'})." if f.reader else "."),
+              ""]
     lines += ["## Evaluation", ""]
     key = f"{fmt}-{method}"
     models = (scores or {}).get("models", {})
-    if key in models:
+    if key in models and "scores" not in models[key]:                      # a text model: KL, top-1, perplexity
+        lines += ["| model | bits/param | KL to teacher | top-1 agreement | perplexity |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {n} | {m['bpp']:.2f} | {m['kl']:.4f} | {m['top1_agreement']:.3f} | {m['perplexity']:.2f} |"
+                  for n, m in models.items() if n in (key, "bf16-teacher")] + [""]
+    elif key in models:
         rows = [(n, m) for n, m in models.items() if n in (key, "bf16-teacher")]
         tasks = list(models[key]["scores"])
         lines += ["| model | bits/param | KL to teacher | " + " | ".join(tasks) + " | average |",
@@ -299,10 +318,18 @@ def model_card(fmt: str, method: str, summary: dict, *, base_model: str, teacher
 
 
 def _card_summary(meta: dict[str, str], directory: Path) -> dict:
+    """What the card says of a packed directory, read from its files: bits both ways, the precision plan's
+    weights in another format, the rotation."""
+    shapes = json.loads(meta["shapes"])
+    overrides = json.loads(meta.get("formats", "{}"))
+    fmt_of = {n: formats.get(overrides.get(n, meta["format"])) for n in shapes}
+    reader = CheckpointReader(directory)
+    specs = [(n, reader.dtype(n), reader.shape(n)) for n in reader.keys() if reader.dtype(n) is not None]
     return {"bits_per_param_nominal": float(meta["bits_per_param_nominal"]),
             "bits_per_param_actual": float(meta["bits_per_param_actual"]),
-            "quantised_params": sum(torch.Size(s).numel() for s in json.loads(meta["shapes"]).values()),
-            "file_bytes": weight_bytes(directory)}
+            "quantised_params": sum(torch.Size(s).numel() for s in shapes.values()),
+            "file_bytes": weight_bytes(directory), "overrides": overrides, "rotate": meta.get("rotate"),
+            **bits_two_ways(specs, shapes, fmt_of)}
 
 
 def fill_card(directory: str | os.PathLike, eval_json: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
