@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -112,10 +113,11 @@ def test_dvc_repro_text_llama_slice(tmp_path):
 
     imported = json.loads((work / "models/teacher/teacher_import.json").read_text())
     assert imported["kind"] == "gguf" and imported["file"] == "tiny-llama.gguf"
-    assert imported["rotate"] == {"kind": "orthogonal", "seed": 0, "dtype": "float32"}      # the preset rotates
+    rotate = yaml.safe_load((work / "configs/smollm2-135m.yaml").read_text())["teacher"]["rotate"]
+    assert imported["rotate"] == {"kind": rotate, "seed": 0, "dtype": "float32"}      # the preset rotates
     from pipeline.packed.file import read_metadata
 
-    assert read_metadata(work / "models/packed/s3d8/qat/model.safetensors")["rotate"] == "orthogonal"
+    assert read_metadata(work / "models/packed/s3d8/qat/model.safetensors")["rotate"] == rotate
     result = json.loads((work / "reports/eval.json").read_text())["models"]
     assert set(result) == {"bf16-teacher", "s3d8-direct-cast", "s3d8-qat", "int-direct-cast", "int-qat"}
     assert result["bf16-teacher"]["kl"] == 0 and result["bf16-teacher"]["top1_agreement"] == 1
