@@ -62,7 +62,7 @@ def pack_model(args) -> dict:
     from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names
     from pipeline.packed.file import write_packed
     from pipeline.precision import Precision, parse_rules
-    from pipeline.rotate import MODEL_TYPES, rotate_llama
+    from pipeline.rotate import auto_rotation, rotate_llama
     from pipeline.stage import progress
     from pipeline.teacher_source import local_dir
 
@@ -82,7 +82,7 @@ def pack_model(args) -> dict:
     inputs = [{"input_ids": torch.tensor([w])} for w in windows]
     model = load_model(str(source), torch.float32)
     if args.rotate == "auto":
-        args.rotate = "orthogonal" if model.config.model_type in MODEL_TYPES else "none"
+        args.rotate = auto_rotation(model.config)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, progress() as bar:
         if args.rotate != "none":         # the rotated model, saved in float32, is what is packed
@@ -311,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--rotate", default="auto", choices=["auto", "none", "orthogonal", "hadamard"],
                    help="rotate the residual stream of a text Llama or an Mllama's language model first (exact; "
-                        "unties a tied output head: one more vocabulary-sized matrix); auto (default): orthogonal "
-                        "for those, none for other models")
+                        "unties a tied output head: one more vocabulary-sized matrix); auto (default): hadamard "
+                        "for those (orthogonal where no Hadamard matrix of the width is built), none for other models")
     p.add_argument("--seed", type=int, default=0, help="seed of the rotation (default 0)")
     p.add_argument("--eval-tokens", type=int, default=4096,
                    help="held-out tokens to compare the packed model with its source on at the end (0: skip; "

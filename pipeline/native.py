@@ -807,12 +807,19 @@ class Bf16RowEmbedding(torch.nn.Module):
 
 
 class Int8RowEmbedding(torch.nn.Module):
+    """An INT8 embedding (per-row scales): the looked-up rows, int8 value x bf16 scale in float32, then ``dtype``."""
+
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale.reshape(-1))
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
+
+    @property
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of the ``int8`` format's packed layout (what a packed file stores)."""
+        return {"int8": self.weight, "scale": self.scale}
 
     def decoder_weight(self):
         """See :meth:`S3D8Linear.decoder_weight`."""

@@ -108,6 +108,16 @@ def _text_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return (model.model if kind == "llama" else model.model.language_model), model.lm_head
 
 
+def auto_rotation(config) -> str:
+    """``s3d8 pack --rotate auto``: hadamard for a text Llama or an Mllama's language model whose width has a Hadamard
+    matrix here (its casts had a lower KL than orthogonal ones at two seeds each: reports/smollm2-135m/rotation-casts),
+    orthogonal for the other widths, none for other models."""
+    if getattr(config, "model_type", None) not in MODEL_TYPES:
+        return "none"
+    text = config.text_config if config.model_type == "mllama" else config
+    return "hadamard" if hadamard(text.hidden_size) is not None else "orthogonal"
+
+
 def rotate_llama(model: nn.Module, kind: str, seed: int = 0) -> None:
     """Rotate a ``LlamaForCausalLM``, or the language model of an ``MllamaForConditionalGeneration``, in place
     (module doc); ``none`` leaves it as it is. Mllama: a cross-attention layer's ``q_proj`` reads the stream and its

@@ -118,14 +118,15 @@ def test_from_pretrained_equals_load_packed_model(packed, fmt, decode):
 def test_from_pretrained_keeps_weights_packed_by_default(packed, fmt):
     """The default computes in config.json's dtype (bf16) with the weights packed in memory: S3D8 on the native
     kernels, the other formats decoded in each forward; the same numbers as load_packed_model with those options."""
-    from pipeline.native import S3D8Linear
+    from pipeline.native import S3D8Linear, S3D8RowEmbedding
 
     path = packed / fmt
     model = from_pretrained(path)
     kernel = "native" if fmt == "s3d8" else "torch"
     assert isinstance(model.model.language_model.layers[0].mlp.up_proj,
                       S3D8Linear if kernel == "native" else LazyPackedLinear)
-    assert isinstance(model.model.language_model.embed_tokens, LazyPackedEmbedding)
+    assert isinstance(model.model.language_model.embed_tokens,         # the looked-up rows decoded natively
+                      S3D8RowEmbedding if kernel == "native" else LazyPackedEmbedding)
     assert model.dtype == torch.bfloat16
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     on_disk = weight_bytes(path)

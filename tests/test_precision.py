@@ -238,6 +238,19 @@ def test_hadamard_matrices_of_the_orders_models_use(n):
     assert hadamard(6) is None and hadamard(100) is None
 
 
+def test_s3d8_pack_rotates_by_hadamard_where_it_can():
+    """``--rotate auto``: hadamard for a Llama or an Mllama's language model of a width with a Hadamard matrix,
+    orthogonal for the other widths, nothing for other models."""
+    from transformers import LlamaConfig, MllamaConfig, ViTConfig
+
+    from pipeline.rotate import auto_rotation
+
+    assert auto_rotation(LlamaConfig(hidden_size=576)) == "hadamard"
+    assert auto_rotation(LlamaConfig(hidden_size=18, num_attention_heads=1, num_key_value_heads=1)) == "orthogonal"
+    assert auto_rotation(MllamaConfig(text_config={"hidden_size": 4096})) == "hadamard"
+    assert auto_rotation(ViTConfig()) == "none"
+
+
 def test_rotation_refuses_what_it_cannot_do():
     from pipeline.rotate import rotate_llama, rotation
 

@@ -220,7 +220,7 @@ def test_report_step_by_step_and_the_precision_plan_goals(tmp_path):
     whole <= 4.0) and the llama.cpp rivals by type; the step-by-step table lists every model of ours once."""
     def ours(name, method, bits, linears, mb, kl, ppl, rotate="none", precision=None):
         return {**_row(name, "ours", "s3d8", method, bits, mb, kl, ppl), "bits_per_weight_linears": linears,
-                "rotate": rotate, "precision": precision or {}}
+                "rotate": rotate, "precision": precision or {}, "cast": "gptq"}
 
     int8 = {"model.embed_tokens.weight": "int8"}
     rows = [ours("ours s3d8 direct-cast", "direct-cast", 3.62, 2.69, 70, 0.40, 14.0, "orthogonal", int8),
@@ -236,9 +236,9 @@ def test_report_step_by_step_and_the_precision_plan_goals(tmp_path):
     rows[-1]["decode_tokens_per_s"] = 3.0                 # llama.cpp's fastest file: 10 tokens/s; ours 10: 1.0x
     md = "\n".join(report.ablation(_data(rows)) + report.plan_goals(_data(rows)))
     lines = md.splitlines()
-    assert lines[2].startswith("| teacher (tiny) | none | bf16 |")
-    assert "| ours s3d8 qat | orthogonal | s3d8; model.embed_tokens: int8 | 3.62 / 2.69 | 70.0 |" in md
-    assert "| llama.cpp Q4_1 |" not in md and "| llama.cpp Q2_K | none | Q2_K | 5.13 /" in md     # 5.74 > 5.5 bits
+    assert lines[2].startswith("| teacher (tiny) |  | none | bf16 |")
+    assert "| ours s3d8 qat | gptq | orthogonal | s3d8; model.embed_tokens: int8 | 3.62 / 2.69 | 70.0 |" in md
+    assert "| llama.cpp Q4_1 |" not in md and "| llama.cpp Q2_K |  | none | Q2_K | 5.13 /" in md     # 5.74 > 5.5 bits
     goal = {ln.split(":")[0]: ln for ln in lines if ln.startswith("- ")}
     assert "ours s3d8-all direct-cast" in goal["- all S3D8 (<= 2.75 bits/weight, whole model), direct-cast"]
     assert "2.10x the teacher's (goal <= 2.0x): **NOT met**" in md
@@ -401,16 +401,17 @@ def test_our_packed_rows_census_quality_and_speed(teacher, tmp_path):
     rotated = tmp_path / "packed" / "s3d8-rotated" / "direct-cast" / "model.safetensors"
     rotated.parent.mkdir(parents=True)        # pack-safetensors of a rotated teacher names its rotation
     write_packed(rotated, CheckpointReader(teacher_dir), fmt, states,
-                 metadata={"config": model.config.to_dict(), "rotate": "orthogonal", "rotate_seed": 0})
+                 metadata={"config": model.config.to_dict(), "rotate": "orthogonal", "rotate_seed": 0,
+                           "pack_params": {"method": "gptq", "dtype": "bfloat16"}})
     other = tmp_path / "packed" / "s3d8" / "qat" / "model.safetensors"
     other.parent.mkdir(parents=True)
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(1)}, str(other), metadata={"format": "s3d8", "config": json.dumps(
         {"model_type": "mllama", "vocab_size": 7})})
     found, notes = rm.packed_models(tmp_path / "packed", AutoConfig.from_pretrained(str(teacher_dir)))
-    assert [(m["name"], m["format"], m["method"], m["rotate"]) for m in found] == [
-        ("ours s3d8 direct-cast", "s3d8", "direct-cast", "none"),
-        ("ours s3d8-rotated direct-cast", "s3d8", "direct-cast", "orthogonal")]
+    assert [(m["name"], m["format"], m["method"], m["rotate"], m["cast"]) for m in found] == [
+        ("ours s3d8 direct-cast", "s3d8", "direct-cast", "none", None),        # no pack record: not guessed
+        ("ours s3d8-rotated direct-cast", "s3d8", "direct-cast", "orthogonal", "gptq")]
     found = found[:1]
     assert len(notes) == 1 and "qat/model.safetensors: skipped (packed from another model" in notes[0]
     c = lc.packed_census(path)

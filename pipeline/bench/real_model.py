@@ -209,7 +209,8 @@ def _quality(spec: dict) -> dict:
 
 def packed_models(root: str | Path, teacher_config) -> tuple[list[dict], list[str]]:
     """Our packed files under ``root`` (``<format>/<method>/model.safetensors``) that come from a text-only Llama
-    with the teacher's widths; the others are named in the notes."""
+    with the teacher's widths (``cast``: the post-training cast they started from, as pack-safetensors or ``s3d8
+    pack`` recorded it); the others are named in the notes."""
     from pipeline.runtime.models import RuntimeInputError, read_header
 
     found, notes = [], []
@@ -228,7 +229,8 @@ def packed_models(root: str | Path, teacher_config) -> tuple[list[dict], list[st
             continue
         fmt, method = meta.get("format", path.parent.parent.name), path.parent.name
         found.append({"name": f"ours {path.parent.parent.name} {method}", "impl": "ours", "format": fmt,
-                      "method": method, "path": str(path), "rotate": meta.get("rotate", "none")})
+                      "method": method, "path": str(path), "rotate": meta.get("rotate", "none"),
+                      "cast": json.loads(meta.get("pack_params") or meta.get("pack_command") or "{}").get("method")})
     return found, notes
 
 
@@ -291,7 +293,7 @@ def measure_model(m: dict, args, threads: list[int], reference: str, n_ctx: int)
         row = {"name": m["name"], "impl": m["impl"], "format": m["format"], "method": m["method"],
                "bits_per_weight": size["bits_per_weight"], "file_bytes": size["file_bytes"],
                "bits_per_weight_linears": size["bits_per_weight_linears"], "precision": size.get("precision"),
-               "rotate": m.get("rotate", "none"),
+               "rotate": m.get("rotate", "none"), "cast": m.get("cast"),
                "kl": scores.get("kl"), "top1_agreement": scores.get("top1_agreement"),
                "perplexity": scores.get("perplexity"),
                "prefill_tokens_per_s": speed.get("prefill_tokens_per_s"),
@@ -455,8 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"] and len(argv) == 2:       # a child process: no params.yaml defaults needed
         print(json.dumps(child(json.loads(argv[1]))), flush=True)
         return 0
@@ -471,8 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:           # no import record, not a GGUF import, package not installed
             print(f"real_model: {e}", file=sys.stderr)
             return 1
-    data = run(args, args.out)
-    write_report(data, args.out)
+    write_report(run(args, args.out), args.out)
     return 0
 
 

@@ -173,13 +173,13 @@ def _precision(r: dict) -> str:
 def ablation(data: dict) -> list[str]:
     """The teacher, each of our models (quality: one row per model) and llama.cpp's files at <= 5.5 bits."""
     t = data["teacher"]["perplexity"]
-    md = ["| model | rotate | precision | bits/weight whole / decoder Linears | MB | KL | top-1 | perplexity | "
-          "x teacher |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-          f"| teacher ({data['teacher']['name']}) | none | bf16 | 16 / 16 | | 0 | 1 | {t:.3f} | 1.00 |"]
+    md = ["| model | cast | rotate | precision | bits/weight whole / decoder Linears | MB | KL | top-1 | perplexity | "
+          "x teacher |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+          f"| teacher ({data['teacher']['name']}) |  | none | bf16 | 16 / 16 | | 0 | 1 | {t:.3f} | 1.00 |"]
     for r in _models(data["rows"]):
         if r["impl"] == "llama.cpp" and (r["bits_per_weight"] or 99) > GOAL_MAX_BITS:
             continue
-        md.append(f"| {r['name']} | {r.get('rotate', 'none')} | {_precision(r) if r['impl'] == 'ours' else r['format']}"
+        md.append(f"| {r['name']} | {r.get('cast') or ''} | {r.get('rotate', 'none')} | {_precision(r) if r['impl'] == 'ours' else r['format']}"
                   f" | {_num(r['bits_per_weight'], '.2f')} / {_num(r.get('bits_per_weight_linears'), '.2f')} | "
                   f"{r['file_bytes'] / 1e6:.1f} | {_num(r['kl'], '.4f')} | {_num(r['top1_agreement'], '.3f')} | "
                   f"{_num(r['perplexity'], '.3f')} | {_num(r['perplexity'] and r['perplexity'] / t, '.2f')} |")

@@ -184,7 +184,8 @@ def packed_layer(path, saved: str, fmt: FormatBase, tensors: dict[str, torch.Ten
                  act_quant: bool, dtype: torch.dtype) -> nn.Module:
     """The module that replaces a Linear (``linear``) or an Embedding whose weight ``saved`` of file ``path`` is
     the packed ``tensors``: scales finite and > 0, every byte decoded once (eager) or validated
-    block by block (lazy, native), then the eager, lazy or native module. Errors name the file and tensor."""
+    block by block (lazy, native), then the eager, lazy or native module (an embedding on the native kernels:
+    the format's ``row_embedding``). Errors name the file and tensor."""
     if "scale" in tensors:
         check_finite(path, f"{saved}.scale", tensors["scale"].float(), positive=True)
     native = linear and kernel == "native"
@@ -197,6 +198,8 @@ def packed_layer(path, saved: str, fmt: FormatBase, tensors: dict[str, torch.Ten
         raise ValueError(f"{path}: tensor {saved!r}: {e}") from None
     if native:          # the packed bytes through the native kernels (INT8 activations per token)
         return fmt.native_linear({s: t.cpu() for s, t in tensors.items()}, shape, bias)
+    if kernel == "native" and decode == "lazy" and fmt.native_kernel:   # the looked-up rows by the native decode
+        return fmt.row_embedding(tensors, shape, padding_idx, dtype)
     if decode == "eager":
         return PackedLinear(weight, bias, act_quant) if linear else PackedEmbedding(weight, padding_idx)
     if linear:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from pipeline import native
-from pipeline._s3d8_native import ffi, lib
+from pipeline.native import ffi, lib
 
 ERRORS = {-1: "no usable kernel variant", -2: "a weight with more inputs than the int32 accumulators hold",
           -3: "an S3D8 centroid table with a negative value", -4: "inconsistent sizes or a position beyond the cache",

@@ -4,8 +4,8 @@ Two kinds of packed file run here:
 
 - the pipeline's packed S3D8 Mllama (``models/packed/s3d8/*.safetensors``, SPEC section 7): rebuilt by
   ``load_packed_model(path, kernel="native")`` (every Linear of the language and vision models, the
-  projector and ``lm_head`` is a ``native.S3D8Linear``), its embedding swapped for
-  :class:`~pipeline.runtime.models.S3D8RowEmbedding` (decodes only the looked-up rows);
+  projector and ``lm_head`` is a ``native.S3D8Linear``), its embedding the format's row embedding
+  (:class:`~pipeline.native.S3D8RowEmbedding`: decodes only the looked-up rows);
 - text-only Llama files (``pipeline/synthetic.py``: ``s3d8``, and the ``int8`` / ``bf16`` baselines),
   run by :class:`~pipeline.runtime.models.LeanLlama`, a small Llama decoder of our own over the packed tensors (or, with
   ``impl="hf"``, by Hugging Face's ``LlamaForCausalLM`` with the same native modules swapped in).

@@ -279,16 +279,9 @@ def hf_mllama(path: str | Path):
     from the file and decoding only the rows they look up (``load_packed_model(..., private=True)``), its vision
     encoder keeping only what is read (:class:`VisionEncoder`)."""
     from pipeline.packed.file import load_packed_model
-    from pipeline.packed.modules import LazyPackedEmbedding
 
     _return_large_frees()
     model = load_packed_model(path, kernel="native", decode="lazy", private=True)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, LazyPackedEmbedding):
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf,
-                    module.format.row_embedding(module.packed_tensors, module.shape, module.padding_idx,
-                                                module.weight_dtype))
     _share_image_kv_heads(model.model.language_model)
     vision = model.model.vision_model
     vision.transformer = VisionEncoder(vision.transformer.layers, keep=vision.intermediate_layers_indices)
