@@ -121,6 +121,19 @@ def test_generate_benchmark_writes_its_report_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["bench_generate.json", "bench_generate.md", "bench_generate.png"]
 
 
+def test_generate_benchmark_takes_a_packed_path_and_reports_huge_pages(tmp_path):
+    """``--models PATH``: a packed file or directory of the user's runs as it is (no preset built, no parameter count);
+    every native row says how much of the process's memory sits on transparent huge pages."""
+    from pipeline.bench import generate, machine
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"")
+    assert generate.model_file(str(tmp_path), "s3d8") == tmp_path and generate.model_file(str(path), "int8") == path
+    assert generate._n_params(str(tmp_path)) is None
+    huge = machine.anon_huge_pages_mb()
+    assert huge is None or huge >= 0
+
+
 def test_generate_goals_compare_llama_cpp_at_the_same_bits():
     """The 1.3x goal is against llama.cpp's fastest type at <= 3.5 bits per weight; a type with its token
     embedding lowered (``X+embd:Y``, llama-quantize's --token-embedding-type) counts by its own file size."""

@@ -274,3 +274,26 @@ def test_a_precision_plan_loads_through_transformers_and_saves_back(teacher, tmp
     assert isinstance(layer.down_proj, Int8Linear) and isinstance(layer.up_proj, S3D8Linear)
     native.save_pretrained(tmp_path / "again")
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_the_runtime_loads_a_packed_directory_by_from_pretrained(packed, tmp_path):
+    """``python -m pipeline.runtime DIR --impl from_pretrained`` and ``bench.generate --impls from_pretrained``: the
+    directory through transformers' ``from_pretrained`` (its defaults), then Hugging Face generate; a file with no
+    config.json beside it is refused, naming the directory."""
+    from pipeline.native import S3D8Linear
+    from pipeline.runtime import generation as runtime
+    from pipeline.runtime.models import RuntimeInputError
+
+    model = runtime.load(packed / "s3d8" / "model.safetensors", "from_pretrained")
+    assert isinstance(model.model.language_model.layers[0].mlp.up_proj, S3D8Linear)
+    assert model.weight_bytes == (packed / "s3d8" / "model.safetensors").stat().st_size
+    x = {k: v[:1] for k, v in inputs(model.config, batch=1).items()}
+    with torch.no_grad():
+        ref = model.generate(**x, max_new_tokens=4, do_sample=False, min_new_tokens=4, eos_token_id=None,
+                             pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
+    assert runtime.generate(model, x, 4, impl="from_pretrained").tokens == ref
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes((packed / "s3d8" / "model.safetensors").read_bytes())
+    with pytest.raises(RuntimeInputError, match=f"{bare}: from_pretrained needs a packed model directory"):
+        runtime.load(bare, "from_pretrained")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -73,6 +72,8 @@ def toy_packed(path: Path = TOY_PACKED) -> Path:
 def model_file(model: str, fmt: str) -> Path:
     from pipeline.synthetic_vision import PRESETS as VISION, write_vision
 
+    if Path(model).exists():                # a packed file or directory of the user's (pack-safetensors, s3d8 pack)
+        return Path(model)
     if model in VISION:
         path = SYNTH_DIR / model / f"{fmt}.safetensors"
         return path if path.exists() else write_vision(model, SYNTH_DIR, files=(fmt,))[fmt]
@@ -143,9 +144,9 @@ def _child_native(spec: dict) -> dict:
     from pipeline.runtime import generation as runtime, models as runtime_models
 
     torch.set_num_threads(spec["threads"])
-    path = Path(spec["path"])
+    path = runtime.packed_file(spec["path"])
     t0 = time.perf_counter()
-    model = runtime.load(path, spec["impl"], max_len=spec["prompt_tokens"] + spec["new_tokens"] + 8)
+    model = runtime.load(spec["path"], spec["impl"], max_len=spec["prompt_tokens"] + spec["new_tokens"] + 8)
     load_s = time.perf_counter() - t0
     if isinstance(model, runtime_models.LeanLlama):
         vocab = model.config["vocab_size"]
@@ -170,7 +171,8 @@ def _child_native(spec: dict) -> dict:
         kv = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4 * (spec["prompt_tokens"] + spec["new_tokens"])
     return {"prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens_per_s": res.decode_tokens_per_s,
             "new_tokens": res.new_tokens, "load_s": load_s, "warmup_s": warmup_s, "kv_cache_bytes": kv,
-            "weight_bytes": int(getattr(model, "weight_bytes", path.stat().st_size)), "overhead_ms_per_token": overhead}
+            "weight_bytes": int(getattr(model, "weight_bytes", path.stat().st_size)), "overhead_ms_per_token": overhead,
+            "anon_huge_pages_mb": machine.anon_huge_pages_mb()}      # while the model holds its weights
 
 
 def overhead_ms_per_token(model, prompt: torch.Tensor, new_tokens: int) -> float:
@@ -235,20 +237,8 @@ def child(spec: dict) -> dict:
     from pipeline.bench import vision
 
     out = {"llama.cpp": _child_llama_cpp, "vision": vision.child}.get(spec["impl"], _child_native)(spec)
-    out["peak_rss_mb"] = peak_rss_mb()
+    out["peak_rss_mb"] = machine.peak_rss_mb()
     return out
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``, which a child
-    inherits from the parent it was forked from)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def measure(spec: dict, timeout: int = 1800) -> dict:
@@ -399,7 +389,7 @@ def _n_params(model: str) -> int | None:
 
     if model in vision.VISION_PRESETS:
         return sum(math.prod(s) for n, s in vision.tensor_shapes(model).items() if len(s) == 2)
-    if model == "toy":
+    if model == "toy" or Path(model).exists():
         return None
     from pipeline.synthetic import PRESETS, tensor_shapes
     return sum(math.prod(s) for s in tensor_shapes(PRESETS[model]).values() if len(s) == 2)
@@ -408,9 +398,11 @@ def _n_params(model: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="tokens/s of packed models")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--models", default="toy,synthetic-1b")
+    ap.add_argument("--models", default="toy,synthetic-1b",
+                    help="presets (toy, synthetic-1b, ..., synthetic-11b-vision) or paths of packed files / directories")
     ap.add_argument("--formats", default="s3d8,int8,bf16")
-    ap.add_argument("--impls", default="lean,hf", help="hf rows for S3D8 only (the comparison of loops)")
+    ap.add_argument("--impls", default="lean,hf", help="hf rows for S3D8 only (the comparison of loops); "
+                    "from_pretrained: a packed directory loaded by transformers")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -428,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     records, notes = [], []
     jobs = []
     for model in args.models.split(","):
-        fmts = [SUBJECT] if model == "toy" else args.formats.split(",")
+        fmts = [SUBJECT] if model == "toy" or Path(model).exists() else args.formats.split(",")
         if model in vision.VISION_PRESETS:          # bf16 (21 GB at the 11B) is not written: it does not fit here
             fmts = [f for f in fmts if f != BF16_BASELINE]
         for fmt in fmts:

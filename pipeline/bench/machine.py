@@ -1,10 +1,12 @@
 """The machine a benchmark ran on, for its report: the CPU's model name and the SIMD flags that decide which
-kernels run (x86: AVX2, AVX-512 VBMI / VNNI / BF16, AMX; Arm: dotprod, i8mm, SVE), core counts, platform."""
+kernels run (x86: AVX2, AVX-512 VBMI / VNNI / BF16, AMX; Arm: dotprod, i8mm, SVE), core counts, platform; and what
+a benchmark's process holds (peak resident memory, huge-page-backed memory)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import resource
 from pathlib import Path
 
 FLAGS = ("avx2", "avx512f", "avx512_vbmi", "avx512vbmi", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8",
@@ -32,3 +34,27 @@ def line(m: dict) -> str:
     """The machine in one line of a report."""
     return (f"{m['cpu']} ({', '.join(m['flags']) or 'no SIMD flags found'}), {m['usable_cpus']} of {m['cpus']} CPUs "
             f"usable, {m['platform']}")
+
+
+def anon_huge_pages_mb() -> float | None:
+    """This process's anonymous memory backed by transparent huge pages now (``AnonHugePages`` of
+    ``/proc/self/smaps_rollup``): where the weights' private block landed on 2 MB pages; None off Linux."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``, which a child
+    inherits from the parent it was forked from)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

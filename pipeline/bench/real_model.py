@@ -156,7 +156,7 @@ def _torch_speed(spec: dict) -> dict:
     res = runtime.hf_generate(model, {"input_ids": prompt}, spec["new_tokens"])
     return {"prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens_per_s": res.decode_tokens_per_s,
             "new_tokens": res.new_tokens, "load_s": load_s, "warmup_s": warmup_s,
-            "peak_rss_mb": generate.peak_rss_mb()}
+            "peak_rss_mb": machine.peak_rss_mb()}
 
 
 def child(spec: dict) -> dict:

@@ -43,7 +43,7 @@ import torch
 from pipeline.runtime.models import (LeanLlama, RuntimeInputError, hf_llama, hf_mllama, mllama_step, model_kind,
                                      read_header)
 
-IMPLS = ("lean", "hf")
+IMPLS = ("lean", "hf", "from_pretrained")
 DEFAULT_IMPL = "lean"
 
 
@@ -191,11 +191,31 @@ def generate(model, inputs: dict, max_new_tokens: int, sampling: Sampling = Samp
 
 
 def load(path: str | Path, impl: str = DEFAULT_IMPL, max_len: int | None = None):
-    """The model of a packed file for ``impl``: a :class:`LeanLlama` (Llama, lean) or an HF model."""
+    """The model of a packed file or directory for ``impl``: a :class:`LeanLlama` (Llama, lean), an HF model built
+    by the runtime (hf), or the packed directory loaded by transformers' ``from_pretrained`` with its defaults
+    (from_pretrained: the way a Hugging Face user loads it; its Linears' bytes in huge-page memory as the
+    runtime's)."""
+    if impl == "from_pretrained":
+        return hf_pretrained(path)
+    path = packed_file(path)
     kind, _ = model_kind(path)
     if kind == "mllama":
         return hf_mllama(path)
     return LeanLlama(path, max_len) if impl == "lean" else hf_llama(path)
+
+
+def hf_pretrained(path: str | Path):
+    """``from_pretrained`` of a packed Hugging Face directory (pack-safetensors' or ``s3d8 pack``'s output)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    directory = Path(path).parent if Path(path).is_file() else Path(path)
+    if not (directory / "config.json").is_file():
+        raise RuntimeInputError(f"{directory}: from_pretrained needs a packed model directory with config.json "
+                                f"(pack-safetensors' or `s3d8 pack MODEL DIR`'s output)")
+    vision = getattr(AutoConfig.from_pretrained(str(directory)), "vision_config", None) is not None
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(str(directory)).eval()
+    model.weight_bytes = packed_file(directory).stat().st_size
+    return model
 
 
 def context_length(model) -> int:
@@ -352,7 +372,9 @@ def build_parser(prog: str = "python -m pipeline.runtime") -> argparse.ArgumentP
     ap.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     ap.add_argument("--threads", type=int, default=0, help=THREADS_HELP)
     ap.add_argument("--impl", choices=IMPLS, default=DEFAULT_IMPL,
-                    help=f"generation loop: lean (ours) or hf (Hugging Face generate); default {DEFAULT_IMPL}")
+                    help=f"generation loop: lean (ours), hf (Hugging Face generate) or from_pretrained (the "
+                         f"directory loaded by transformers' from_pretrained, then Hugging Face generate); default "
+                         f"{DEFAULT_IMPL}")
     ap.add_argument("--sample", action="store_true", help="sample instead of greedy")
     ap.add_argument("--temperature", type=float, default=0.8, help="with --sample (default 0.8)")
     ap.add_argument("--top-k", type=int, default=0, help="with --sample: keep the k likeliest tokens (default 0: all)")
