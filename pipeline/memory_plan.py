@@ -342,8 +342,8 @@ def disk_terms(params: dict, counts: dict) -> dict:
         # fp32 masters and AdamW's two moments (the learned scales and the step counts are small beside them)
         "checkpoint": 12 * P,
     }
-    if "s3d8" in names:
-        terms["export-sqt"] = ({"sqt_files": 2 * (packed["s3d8"] + 2 * (P - Q))}, {})
+    if formats.SUBJECT in names:       # export-sqt writes the subject's packed models as .sqt files
+        terms["export-sqt"] = ({"sqt_files": 2 * (packed[formats.SUBJECT] + 2 * (P - Q))}, {})
     return terms
 
 

@@ -42,7 +42,7 @@ from pipeline.packed.safetensors_io import StreamingWriter
 BLOCK_ELEMS = 1 << 25          # weights generated at a time (128 MiB of float32)
 STUDENT_DF = 5.0
 ROW_SIGMA, COL_SIGMA, BASE_STD = 0.5, 0.2, 0.02
-FORMATS = ("s3d8", "int8", "bf16")
+FORMATS = (formats_registry.SUBJECT, formats_registry.INT8_BASELINE, formats_registry.BF16_BASELINE)
 DEFAULT_DIR = Path("models/synthetic")
 
 _LLAMA32 = dict(max_position_embeddings=131072, rms_norm_eps=1e-5, vocab_size=128256, tie_word_embeddings=True,

@@ -39,7 +39,8 @@ PRESETS = {
                                   vision_heads=2, vision_layers=2, vision_global_layers=1,
                                   intermediate_layers_indices=[0, 0, 1, 1, 1], image_size=56, max_num_tiles=4),
 }
-FILES = {"s3d8": ("s3d8", {"embed_tokens$": "int8"}), "int8": ("int8", {})}
+FILES = {registry.SUBJECT: (registry.SUBJECT, {"embed_tokens$": registry.INT8_BASELINE}),
+         registry.INT8_BASELINE: (registry.INT8_BASELINE, {})}
 """File stem -> (main format, precision rules): the default plan's S3D8 model and the INT8 baseline."""
 
 

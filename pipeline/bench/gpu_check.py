@@ -120,7 +120,7 @@ def ensure_skeleton(preset: str, fit: bool) -> dict:
     if not (d["model"] / "skeleton.json").exists():
         S.build(d["model"], S.PRESETS[preset])
         info["build_seconds"] = round(time.perf_counter() - t0, 1)
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     if not d["states"].exists():
         t0 = time.perf_counter()
         if fit:
@@ -142,7 +142,7 @@ def shared_table_states(preset: str) -> dict:
     from pipeline.models import meta_model, quantised_weight_names
 
     d = S.dirs(preset)
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     names = quantised_weight_names(meta_model(S.skeleton_config(S.PRESETS[preset])))
     embed = next(saved for saved in names.values() if saved.endswith("embed_tokens.weight"))
     state = fmt.fit(CheckpointReader(d["model"]).get(embed).float())
@@ -200,7 +200,7 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     for key, value in rendezvous.items():
         os.environ.setdefault(key, value)
     d = S.dirs(preset)
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     states = fmt.load_states(d["states"])
     processor = load_processor(str(d["model"]))
     prompt_len = len(S._examples(processor, d["model"], 1, 1)[0].prompt_ids)

@@ -73,7 +73,7 @@ def cast_check(preset: str, method: str, device, phases, compare: bool = True) -
     from pipeline.io import atomic_dir
 
     d = S.dirs(preset)
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     states = fmt.load_states(d["states"])
     reader = CheckpointReader(d["model"])
     inventory = matrices(S.skeleton_config(S.PRESETS[preset]))

@@ -34,6 +34,7 @@ from pipeline import native
 
 from pipeline.packed import layout
 from pipeline.bench import PAPER_SHAPES, BenchParams
+from pipeline.formats import BF16_BASELINE, INT8_BASELINE, SUBJECT
 
 OP_NAMES = {shape: (op, pixel) for op, shape, pixel in PAPER_SHAPES}
 INT_MM = "torch._int_mm (int8 x given, int32 out)"   # the raw GEMM, without quantise / dequantise
@@ -101,10 +102,10 @@ def make_impls(m: int, k: int, n: int, threads: int, p: BenchParams, gen: torch.
 
     # Copies of one random tensor per format (values do not change the speed); implementations of a
     # format share them, and consecutive calls of one implementation always use different copies.
-    pool_bytes = {"s3d8": rows * cols, "int8": n * k, "bf16": 2 * n * k, "fp32": 4 * n * k}
-    makers = {"s3d8": lambda: torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=gen),
-              "int8": lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
-              "bf16": lambda: torch.randn(n, k, generator=gen).to(torch.bfloat16),
+    pool_bytes = {SUBJECT: rows * cols, INT8_BASELINE: n * k, BF16_BASELINE: 2 * n * k, "fp32": 4 * n * k}
+    makers = {SUBJECT: lambda: torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=gen),
+              INT8_BASELINE: lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
+              BF16_BASELINE: lambda: torch.randn(n, k, generator=gen).to(torch.bfloat16),
               "fp32": lambda: torch.randn(n, k, generator=gen)}
     pools: dict[str, list] = {}
     for name, make in makers.items():
@@ -112,7 +113,7 @@ def make_impls(m: int, k: int, n: int, threads: int, p: BenchParams, gen: torch.
         pools[name] = [first] + [first.clone() for _ in range(n_copies(pool_bytes[name], p) - 1)]
     w_scales, zeros = scale.float().flatten(), torch.zeros(n, dtype=torch.long)
     layers = []
-    for w in pools["int8"]:
+    for w in pools[INT8_BASELINE]:
         with warnings.catch_warnings():  # torch deprecates the quantized tensors it still uses here
             warnings.simplefilter("ignore", UserWarning)
             layer = torch.ao.nn.quantized.dynamic.Linear(k, n, dtype=torch.qint8)
@@ -127,31 +128,34 @@ def make_impls(m: int, k: int, n: int, threads: int, p: BenchParams, gen: torch.
         impls.append(Impl(key, fmt, impl, variant, pool_bytes[pool], lambda i: call(data[i % len(data)]),
                           len(data), product))
 
-    add("s3d8", "s3d8", "library", lib_variant, "s3d8",
+    add(SUBJECT, SUBJECT, "library", lib_variant, SUBJECT,
         lambda w: native.s3d8_matmul(x, w, scale, table, (n, k), variant=v, threads=threads))
     if not fused:
         for path in native.PATHS:
-            add(f"s3d8_{path}", "s3d8", f"library path={path}", lib_variant, "s3d8",
+            add(f"{SUBJECT}_{path}", SUBJECT, f"library path={path}", lib_variant, SUBJECT,
                 lambda w, path=path: native.s3d8_matmul(x, w, scale, table, (n, k), variant=v,
                                                         threads=threads, path=path))
         decoded = torch.empty(n, k, dtype=torch.int8)
-        add("s3d8_decode", "s3d8", "library decode only", lib_variant, "s3d8",
+        add(f"{SUBJECT}_decode", SUBJECT, "library decode only", lib_variant, SUBJECT,
             lambda w: native.s3d8_decode_int8(w, table, (n, k), variant=v, threads=threads, out=decoded),
             product=False)
-    add("int8", "int8", "library", lib_variant, "int8",
+    add(INT8_BASELINE, INT8_BASELINE, "library", lib_variant, INT8_BASELINE,
         lambda w: native.int8_matmul(x, w, scale, variant=v, threads=threads))
     if not fused:
         for path in ("fused", "torch"):
-            add(f"int8_{path}", "int8", f"library path={path}", lib_variant, "int8",
+            add(f"{INT8_BASELINE}_{path}", INT8_BASELINE, f"library path={path}", lib_variant, INT8_BASELINE,
                 lambda w, path=path: native.int8_matmul(x, w, scale, variant=v, threads=threads, path=path))
-    add("int8_int_mm", "int8", INT_MM, torch_variant, "int8", lambda w: torch._int_mm(xq, w.t()))
-    add("int8_fbgemm", "int8", "torch dynamic int8 Linear (fbgemm)", torch_variant, "fbgemm", lambda layer: layer(x))
+    add(f"{INT8_BASELINE}_int_mm", INT8_BASELINE, INT_MM, torch_variant, INT8_BASELINE,
+        lambda w: torch._int_mm(xq, w.t()))
+    add(f"{INT8_BASELINE}_fbgemm", INT8_BASELINE, "torch dynamic int8 Linear (fbgemm)", torch_variant, "fbgemm",
+        lambda layer: layer(x))
     if m == 1 and threads == 1:  # the probe reads on one thread
-        add("read", "read", "memory read (bandwidth probe)", lib_variant, "int8",
+        add("read", "read", "memory read (bandwidth probe)", lib_variant, INT8_BASELINE,
             lambda w: native.read_bandwidth_probe(w.view(torch.uint8)), product=False)
-    add("bf16_torch", "bf16", "torch F.linear", torch_variant, "bf16", lambda w: F.linear(x_bf16, w))
+    add(f"{BF16_BASELINE}_torch", BF16_BASELINE, "torch F.linear", torch_variant, BF16_BASELINE,
+        lambda w: F.linear(x_bf16, w))
     if fused:
-        add("bf16", "bf16", "library", lib_variant, "bf16",
+        add(BF16_BASELINE, BF16_BASELINE, "library", lib_variant, BF16_BASELINE,
             lambda w: native.bf16_matmul(x, w, variant=v, threads=threads))
     add("fp32_torch", "fp32", "torch F.linear", torch_variant, "fp32", lambda w: F.linear(x, w))
     return impls
@@ -245,7 +249,7 @@ def run(p: BenchParams, log: Callable[[str], None] = print) -> tuple[list[dict],
             rs = measure(m, k, n, t, p)
             records += rs
             lib = {r["format"]: r["gmacs"] for r in rs if r["impl"] == "library"}
-            log(f"arm-bench ({m}, {k}, {n}) {t}T: S3D8 {lib.get('s3d8')}, INT8 {lib.get('int8')} GMAC/s, "
+            log(f"arm-bench ({m}, {k}, {n}) {t}T: S3D8 {lib.get(SUBJECT)}, INT8 {lib.get(INT8_BASELINE)} GMAC/s, "
                 f"variant {machine['variant']} ({time.perf_counter() - started:.0f} s)")
     machine["load_average_end"] = round(os.getloadavg()[0], 2)
     return records, machine
@@ -261,7 +265,7 @@ def rec(records, m, k, n, threads, key):
 def best(records, m, k, n, threads, fmt, linear=False):
     """The fastest product of a format; ``linear``: only float-in/float-out ones (not ``torch._int_mm``)."""
     rs = [r for r in records if (r["m"], r["k"], r["n"], r["threads"], r["format"]) == (m, k, n, threads, fmt)
-          and r["gmacs"] is not None and not (linear and r["key"] == "int8_int_mm")]
+          and r["gmacs"] is not None and not (linear and r["key"] == f"{INT8_BASELINE}_int_mm")]
     return max(rs, key=lambda r: r["gmacs"]) if rs else None
 
 
@@ -269,7 +273,7 @@ def summarise(records: list[dict]) -> dict:
     """The issue's targets, computed from the measurements (absent where a shape was not run)."""
     out: dict = {}
     for t in sorted({r["threads"] for r in records}):
-        s3d8, int8 = rec(records, 1, 4096, 14336, t, "s3d8"), rec(records, 1, 4096, 14336, t, "int8")
+        s3d8, int8 = rec(records, 1, 4096, 14336, t, SUBJECT), rec(records, 1, 4096, 14336, t, INT8_BASELINE)
         read = rec(records, 1, 4096, 14336, t, "read")
         if s3d8:
             out[f"m1_s3d8_gmacs_{t}t"] = s3d8["gmacs"]
@@ -279,8 +283,8 @@ def summarise(records: list[dict]) -> dict:
             out[f"m1_int8_bandwidth_fraction_{t}t"] = round(int8["weight_gbps"] / read["weight_gbps"], 3)
             out[f"read_gbps_{t}t"] = read["weight_gbps"]
         for m, k, n in sorted({(r["m"], r["k"], r["n"]) for r in records if r["m"] > native.FUSED_MAX_M}):
-            lib, linear = rec(records, m, k, n, t, "s3d8"), best(records, m, k, n, t, "int8", linear=True)
-            raw = rec(records, m, k, n, t, "int8_int_mm")
+            lib, linear = rec(records, m, k, n, t, SUBJECT), best(records, m, k, n, t, INT8_BASELINE, linear=True)
+            raw = rec(records, m, k, n, t, f"{INT8_BASELINE}_int_mm")
             if lib and linear:
                 out[f"m{m}_k{k}_n{n}_s3d8_over_best_int8_{t}t"] = round(lib["gmacs"] / linear["gmacs"], 3)
             if lib and raw:
@@ -303,14 +307,15 @@ def metrics(records: list[dict]) -> dict:
         shape, t = f"{r['m']}x{r['k']}x{r['n']}", f"{r['threads']}t"
         if r["gmacs"] is not None:
             gmacs.setdefault(shape, {}).setdefault(t, {})[r["key"]] = r["gmacs"]
-        if r["gmacs"] is None or (r["m"] <= native.FUSED_MAX_M and r["key"] in ("s3d8", "int8")):
+        if r["gmacs"] is None or (r["m"] <= native.FUSED_MAX_M and r["key"] in (SUBJECT, INT8_BASELINE)):
             bandwidth.setdefault(shape, {}).setdefault(t, {})[r["key"]] = r["weight_gbps"]
     for shape, by_t in gmacs.items():
         for t, g in by_t.items():
             m, k, n = parse_shape(shape)
-            linear = best(records, m, k, n, int(t[:-1]), "int8", linear=True)
-            if "s3d8" in g and "int8" in g:
-                ratios.setdefault(shape, {}).setdefault(t, {})["library"] = round(g["s3d8"] / g["int8"], 3)
-            if "s3d8" in g and linear:
-                ratios.setdefault(shape, {}).setdefault(t, {})["best"] = round(g["s3d8"] / linear["gmacs"], 3)
-    return {"summary": summarise(records), "gmacs": gmacs, "s3d8_over_int8": ratios, "bandwidth_gbps": bandwidth}
+            linear = best(records, m, k, n, int(t[:-1]), INT8_BASELINE, linear=True)
+            if SUBJECT in g and INT8_BASELINE in g:
+                ratios.setdefault(shape, {}).setdefault(t, {})["library"] = round(g[SUBJECT] / g[INT8_BASELINE], 3)
+            if SUBJECT in g and linear:
+                ratios.setdefault(shape, {}).setdefault(t, {})["best"] = round(g[SUBJECT] / linear["gmacs"], 3)
+    return {"summary": summarise(records), "gmacs": gmacs, f"{SUBJECT}_over_{INT8_BASELINE}": ratios,
+            "bandwidth_gbps": bandwidth}

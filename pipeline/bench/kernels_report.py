@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline import native
 from pipeline.bench import PAPER_SHAPES, BenchParams
+from pipeline.formats import BF16_BASELINE, INT8_BASELINE, SUBJECT
 from pipeline.bench.kernels import OP_NAMES, best, metrics, rec
 from pipeline.io import atomic_path, write_json, write_text
 from pipeline.stage import versions
@@ -58,8 +59,8 @@ def markdown(records: list[dict], summary: dict, machine: dict, p: BenchParams) 
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for s in shapes:
             op, pixel = OP_NAMES.get(s, ("custom", (None, None, None)))
-            b16, i8 = best(records, *s, t, "bf16"), best(records, *s, t, "int8")
-            li8, s3 = rec(records, *s, t, "int8"), rec(records, *s, t, "s3d8")
+            b16, i8 = best(records, *s, t, BF16_BASELINE), best(records, *s, t, INT8_BASELINE)
+            li8, s3 = rec(records, *s, t, INT8_BASELINE), rec(records, *s, t, SUBJECT)
             ratio = s3["gmacs"] / i8["gmacs"] if s3 and i8 else None
             lines.append(f"| {op} | {s} | {fmt_num(pixel[0])} | {fmt_num(pixel[1])} | {fmt_num(pixel[2])} | "
                          f"{fmt_num(_gmacs(b16))} | {fmt_num(_gmacs(i8))} | {fmt_num(_gmacs(li8))} | "
@@ -78,7 +79,8 @@ def markdown(records: list[dict], summary: dict, machine: dict, p: BenchParams) 
             continue
         for t in threads:
             ms = [fmt_num((rec(records, *s, t, key) or {}).get("ms"))
-                  for key in ("s3d8", "s3d8_fused", "s3d8_tiled", "s3d8_torch", "s3d8_decode", "int8", "int8_int_mm")]
+                  for key in (SUBJECT, *(f"{SUBJECT}_{path}" for path in (*native.PATHS, "decode")), INT8_BASELINE,
+                              f"{INT8_BASELINE}_int_mm")]
             lines.append(f"| {s} | {t} | " + " | ".join(ms) + " |")
     lines += ["", "## Every measurement", "",
               "| (m, k, n) | threads | format | implementation | variant | timing | copies | rounds | GMAC/s "
@@ -133,9 +135,9 @@ def chart(records: list[dict], path: Path) -> None:
 
     t = min(r["threads"] for r in records)
     shapes = _shapes(records)
-    series = [("bf16 (best)", lambda s: best(records, *s, t, "bf16")),
-              ("INT8 (best)", lambda s: best(records, *s, t, "int8")),
-              ("S3D8 (library)", lambda s: rec(records, *s, t, "s3d8"))]
+    series = [("bf16 (best)", lambda s: best(records, *s, t, BF16_BASELINE)),
+              ("INT8 (best)", lambda s: best(records, *s, t, INT8_BASELINE)),
+              ("S3D8 (library)", lambda s: rec(records, *s, t, SUBJECT))]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(shapes) + 2), 4.5))
     width = 0.8 / len(series)
     for i, (label, get) in enumerate(series):
@@ -145,7 +147,7 @@ def chart(records: list[dict], path: Path) -> None:
     ax.set_xticklabels([f"{OP_NAMES.get(s, ('custom',))[0]}\n{s}" for s in shapes], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("GMAC/s")
     ax.set_yscale("log")
-    variant = next((r["variant"] for r in records if r["key"] == "s3d8"), "?")
+    variant = next((r["variant"] for r in records if r["key"] == SUBJECT), "?")
     ax.set_title(f"Kernel throughput, {t} thread(s), library variant {variant}")
     ax.legend()
     fig.tight_layout()

@@ -218,7 +218,7 @@ def gaussian_reference(seed: int) -> dict:
     g = torch.randn(384, 512, generator=gen)
     out = {}
     for m in ("absmax", "search"):
-        q = ptq.direct_cast(formats.get("s3d8"), g, method=m, seed=seed)
+        q = ptq.direct_cast(formats.get(formats.SUBJECT), g, method=m, seed=seed)
         out[f"s3d8_{m}"] = float((g - q).pow(2).sum() / g.pow(2).sum())
     x = torch.randn(60000, 3, generator=gen)
 

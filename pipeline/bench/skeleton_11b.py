@@ -32,7 +32,7 @@ def derive_states(source: str, target: str) -> dict:
     from pipeline import formats
     from pipeline.models import meta_model, quantised_weight_names
 
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     states = fmt.load_states(dirs(source)["states"])
     names = quantised_weight_names(meta_model(skeleton_config(PRESETS[target])))
     cross = PRESETS[source].cross_attention_layers[0]

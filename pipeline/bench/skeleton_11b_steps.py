@@ -239,7 +239,7 @@ def _step_fit(preset: str, phases: Phases) -> dict:
     from pipeline.fit import fit_model
 
     d = dirs(preset)
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     with phases("fit"):
         states, report = fit_model(fmt, str(d["model"]))
     fmt.save_states(d["states"], states)
@@ -256,7 +256,7 @@ def _step_pack(preset: str, phases: Phases) -> dict:
     from pipeline.models import load_config
 
     d = dirs(preset)
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     states = fmt.load_states(d["states"])
     shutil.rmtree(d["packed"], ignore_errors=True)
     with phases("pack"):
@@ -335,7 +335,7 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
     set_threads(1)
     d = dirs(preset)
     rank = int(os.environ.get("RANK", "0"))
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     states = fmt.load_states(d["states"])
     processor = load_processor(str(d["model"]))
     world = int(os.environ.get("WORLD_SIZE", "1"))

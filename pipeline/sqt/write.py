@@ -271,7 +271,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str |
     file, directory = resolve_model(model)
     reader = CheckpointReader(file)
     meta = reader.metadata()
-    fmt = formats.get("s3d8")
+    fmt = formats.get(formats.SUBJECT)
     if meta.get("format") != fmt.name or meta.get("llama_mobile_format", fmt.layout) != fmt.layout:
         raise SqtError(f"{file}: metadata 'format' is {meta.get('format')!r}: the engine reads S3D8 packed models "
                        f"(SPEC section 7) only")
