@@ -66,6 +66,23 @@ def test_census_counts_the_2d_weights_by_type(tmp_path, qtype, bits):
     assert c["file_bits_per_weight"] == pytest.approx(8 * path.stat().st_size / weights)
 
 
+def test_census_of_a_type_newer_than_gguf_py_says_so(tmp_path):
+    """A file llama.cpp wrote with a tensor type gguf-py does not know (e.g. a new 2-bit type): no crash of the
+    benchmark, the bytes it could not count named in ``error``."""
+    import struct
+
+    path = write_tiny_llama_gguf(tmp_path / "t.gguf", tiny_llama(), qtype="Q8_0")
+    data = bytearray(path.read_bytes())
+    name = b"token_embd.weight"
+    at = data.find(name) + len(name)                # then: n_dims (u32), the dims (u64 each), the type (u32)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 4242)
+    path.write_bytes(bytes(data))
+    c = lc.census(path)
+    assert c["bits_per_weight"] is None and c["file_bytes"] == path.stat().st_size
+    assert "cannot read t.gguf" in c["error"] and "bits per weight not counted" in c["error"]
+
+
 def test_packed_census_counts_every_part_of_a_weight(tmp_path):
     from safetensors.torch import save_file
 

@@ -194,9 +194,17 @@ def stale(path: Path, *sources: Path) -> bool:
 def census(path: str | Path) -> dict:
     """What a GGUF file really holds: ``types`` (tensor type -> count, bytes, weights), ``roles`` (tensor role,
     e.g. ``attn_q`` or ``token_embd``, -> tensor type -> count), and its bits per weight (see the module doc)."""
+    from importlib.metadata import version
+
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    size = Path(path).stat().st_size
+    try:
+        reader = GGUFReader(str(path))
+    except ValueError as e:         # a tensor type newer than gguf-py: the file runs, its bytes cannot be counted
+        return {"types": {}, "roles": {}, "weight_bytes": None, "weights": None, "file_bytes": size,
+                "bits_per_weight": None, "bits_per_weight_linears": None, "file_bits_per_weight": None,
+                "error": f"gguf-py {version('gguf')} cannot read {Path(path).name} ({e}): bits per weight not counted"}
     types: dict[str, dict] = {}
     roles: dict[str, Counter] = {}
     wbytes = weights = lbytes = lweights = 0
@@ -214,7 +222,6 @@ def census(path: str | Path) -> dict:
             if t.name.startswith("blk."):                  # a decoder layer's matrix
                 lbytes += int(t.n_bytes)
                 lweights += int(t.n_elements)
-    size = Path(path).stat().st_size
     return {"types": dict(sorted(types.items())),
             "roles": {r: dict(sorted(c.items())) for r, c in sorted(roles.items())},
             "weight_bytes": wbytes, "weights": weights, "file_bytes": size,

@@ -305,7 +305,7 @@ def measure_model(m: dict, args, threads: list[int], reference: str, n_ctx: int)
             row["overhead_ms_per_token"] = speed["overhead_ms_per_token"]
         if "llama_cpp_perf" in speed:
             row["llama_cpp_perf"] = speed["llama_cpp_perf"]
-        errors = [f"{what}: {res['error']}" for what, res in (("quality", scores), ("speed", speed)) if "error" in res]
+        errors = [f"{w}: {res['error']}" for w, res in (("census", size), ("quality", scores), ("speed", speed)) if "error" in res]
         if errors:
             row["error"] = "; ".join(errors)
         rows.append(row)
