@@ -346,19 +346,19 @@ def write_report(data: dict, out_dir: Path) -> None:
           "overhead ms/token is that call with the weight products stubbed out. Timings on a shared machine: "
           "compare ratios within this run.", "",
           "| model | format | impl | threads | prefill tok/s | decode tok/s | overhead ms/token | weight MB | "
-          "bits/weight | bandwidth bound tok/s | fraction | peak RSS MB |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+          "bits/weight | bandwidth bound tok/s | fraction | peak RSS MB | on huge pages MB |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in recs:
         if "error" in r:
             md.append(f"| {r['model']} | {r['format']} | {r['impl']} | {r['threads']} | error: {r['error']} |"
-                      " | | | | | | |")
+                      " | | | | | | | |")
             continue
         bound = _bandwidth(data, r["threads"]) / vision.read_per_token(r)
-        bpw, ovh = r.get("bits_per_weight"), r.get("overhead_ms_per_token")
+        bpw, ovh, huge = r.get("bits_per_weight"), r.get("overhead_ms_per_token"), r.get("anon_huge_pages_mb")
         md.append(f"| {r['model']} | {r['format']} | {r['impl']} | {r['threads']} | {r['prefill_tokens_per_s']:.1f} | "
                   f"{r['decode_tokens_per_s']:.2f} | {'' if ovh is None else f'{ovh:.3f}'} | "
                   f"{r['weight_bytes'] / 1e6:.0f} | {'' if bpw is None else f'{bpw:.2f}'} | {bound:.1f} | "
-                  f"{r['decode_tokens_per_s'] / bound:.0%} | {r['peak_rss_mb']:.0f} |")
+                  f"{r['decode_tokens_per_s'] / bound:.0%} | {r['peak_rss_mb']:.0f} | {'' if huge is None else f'{huge:.0f}'} |")
     md += ["", "## Goals", "", *analyse(data), *vision.report_lines(recs, lambda t: _bandwidth(data, t)), ""]
     md += [f"- {m}" for m in data.get("notes", [])]
     write_text(out_dir / "bench_generate.md", "\n".join(md) + "\n")

@@ -260,7 +260,7 @@ def plot(data: dict, path: Path) -> None:
             pts = [r for r in models if r["impl"] == impl and r[key] > 0]
             ax.scatter([r["bits_per_weight"] for r in pts], [r[key] for r in pts], c=color, marker=marker, label=impl)
             for r in pts:
-                ax.annotate(r["format"] if impl == "llama.cpp" else f"{r['format']} {r['method']}",
+                ax.annotate(r["format"] if impl == "llama.cpp" else r["name"].removeprefix("ours "),
                             (r["bits_per_weight"], r[key]), fontsize=6, xytext=(3, 2), textcoords="offset points")
         if key == "perplexity":
             ax.axhline(data["teacher"]["perplexity"], color="gray", ls="--", lw=1, label="teacher (bf16)")
