@@ -36,25 +36,25 @@ def line(m: dict) -> str:
             f"usable, {m['platform']}")
 
 
-def anon_huge_pages_mb() -> float | None:
-    """This process's anonymous memory backed by transparent huge pages now (``AnonHugePages`` of
-    ``/proc/self/smaps_rollup``): where the weights' private block landed on 2 MB pages; None off Linux."""
+def _proc_mb(path: str, key: str) -> float | None:
+    """The ``key: N kB`` line of a ``/proc`` file in MB; None where there is no such file or line."""
     try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
     return None
 
 
+def anon_huge_pages_mb() -> float | None:
+    """This process's anonymous memory backed by transparent huge pages now (``AnonHugePages`` of
+    ``/proc/self/smaps_rollup``): where the weights' private block landed on 2 MB pages; None off Linux."""
+    return _proc_mb("/proc/self/smaps_rollup", "AnonHugePages")
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``, which a child
     inherits from the parent it was forked from)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _proc_mb("/proc/self/status", "VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
