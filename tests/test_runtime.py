@@ -267,10 +267,14 @@ def test_cli_prints_hf_generate_tokens_on_the_synthetic_llama(synth, capsys):
         ref = model.generate(input_ids=ids, do_sample=False, max_new_tokens=8, eos_token_id=sorted(eos),
                              pad_token_id=0)[0, ids.shape[1]:].tolist()
     ref = [t for t in ref if t not in eos]
-    for impl in runtime.IMPLS:
+    for impl in ("lean", "hf"):
         assert runtime.main([str(synth["s3d8"]), "--prompt", "hello", "--max-new-tokens", "8", "--threads", "1",
                              "--impl", impl]) == 0
         assert capsys.readouterr().out == "".join(f"<{t}>" for t in ref) + "\n"
+    # from_pretrained reads a packed Hugging Face directory (tests/test_hf.py); a bare synthetic file is refused
+    assert runtime.main([str(synth["s3d8"]), "--prompt", "hello", "--impl", "from_pretrained"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "from_pretrained needs a packed model directory with config.json" in err[0]
 
 
 def test_cli_takes_a_packed_model_directory(synth, tmp_path):
