@@ -1,7 +1,7 @@
 """Calibration for the post-training methods: ``H = X^T X / n_tokens`` of the teacher's inputs to every Linear
 the recipe quantises, over a seeded sample of the training prompts' teacher answers (never the held-out ones).
 
-GPTQ (``pack.method: gptq``) needs the whole matrix; the scale search's importance is its diagonal. Each prompt
+GPTQ (``pack.algorithm: gptq``) needs the whole matrix; the scale search's importance is its diagonal. Each prompt
 runs on its own (batch of one), so no padding token counts; image tiles the picture does not use are part of
 the vision encoder's input and count as they do in every forward. Rows are accumulated in float64.
 

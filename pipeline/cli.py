@@ -92,16 +92,16 @@ def pack_model(args) -> dict:
             source = Path(f"{tmp}/rotated")
         names = [n for n in dict.fromkeys(s.removesuffix(".weight") for s in quantised_weight_names(model).values())
                  if plan.format_of(n) is not None]
-        task = bar.add_task(f"pack {plan.describe()} ({args.method}, {len(inputs)} windows of {what})",
+        task = bar.add_task(f"pack {plan.describe()} ({args.algorithm}, {len(inputs)} windows of {what})",
                             total=len(names))
         staging = Path(tmp) / "cast"
         staging.mkdir()
-        direct_cast.cast_in_order(plan, model, inputs, lambda name: None, args.method, staging, "s3d8 pack",
+        direct_cast.cast_in_order(plan, model, inputs, lambda name: None, args.algorithm, staging, "s3d8 pack",
                                   on_matrix=lambda: bar.advance(task))
         groups: dict[str, list[str]] = {}
         for name in names:
             groups.setdefault(direct_cast.group_of(name), []).append(name)
-        direct_cast.write_index(staging, plan, args.method, groups, {})
+        direct_cast.write_index(staging, plan, args.algorithm, groups, {})
         cast = direct_cast.DirectCast(staging, fmt)
         del model
         states = {n: {} for n in names}
@@ -109,7 +109,7 @@ def pack_model(args) -> dict:
         encode = lambda name, weight, state: cast.packed(name, weight.shape)  # noqa: E731
         metadata = {"method": "direct-cast", "source_model": args.model, "config": json.loads(
             (source / "config.json").read_text()), "pack_command": {
-                "method": args.method, "precision": plan.rules, "rotate": args.rotate, "seed": args.seed,
+                "algorithm": args.algorithm, "precision": plan.rules, "rotate": args.rotate, "seed": args.seed,
                 "calibration": what, "windows": len(inputs), "window": args.window},
             **({"rotate": args.rotate, "rotate_seed": args.seed} if args.rotate != "none" else {})}
         if as_dir:      # the Hugging Face directory pack-safetensors writes (config, processor, card), atomically
@@ -302,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the precision plan: PATTERN=FORMAT rules, comma-separated, the first matching the weight "
                         "name wins (formats: int8, s3d8, ..., bf16 keeps it); 'none' puts every matrix in --format "
                         "(default: embed_tokens$=int8, the token embedding and a tied output head in INT8)")
-    p.add_argument("--method", default="gptq", choices=["gptq", "search", "absmax"],
-                   help="post-training method; gptq takes each matrix's X^T X from the partly cast model (default)")
+    p.add_argument("--algorithm", default="gptq", choices=["gptq", "search", "absmax"],
+                   help="post-training algorithm; gptq takes each matrix's X^T X from the partly cast model (default)")
     p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: half the windows from the "
                                          "Python documentation's prose, pydoc_data's topics, the half perplexity is "
                                          "not measured on; half from the public-domain English the package ships)")

@@ -4,7 +4,7 @@ it (``qat.init: ptq``) and pack-safetensors packs it as the direct-cast model.
 ``models/direct-cast/<format>/`` holds one safetensors file per decoder layer (``model.layers.3.safetensors``)
 and one for the other weights (``rest.safetensors``). Per quantised weight ``P`` (of ``P.weight``): the packed
 tensors ``P.<suffix>`` as the format's ``pack`` lays them out, and ``P.master``, the float32 weight QAT starts
-from (``pipeline.ptq.cast``). ``index.json`` maps each weight to its file and records the format, the method and
+from (``pipeline.ptq.cast``). ``index.json`` maps each weight to its file and records the format, the algorithm and
 each file's sha256.
 
 The work is dealt to processes file by file (``deal``: the largest first, each to the least loaded process), so
@@ -13,7 +13,7 @@ do not depend on how many there were. Each finished file waits in ``checkpoints/
 directory every process must see: on several machines, a shared file system) until all are done; a killed run
 resumes from the files it finished.
 
-With ``calibrate.sequential`` (``pack.method: gptq``) one process casts the layers in the model's order instead
+With ``calibrate.sequential`` (``pack.algorithm: gptq``) one process casts the layers in the model's order instead
 (:func:`cast_in_order`): each matrix's ``X^T X`` comes from the model whose earlier matrices are already cast, so
 the layers cannot be dealt out; a killed run still resumes from the layers it finished.
 """
@@ -40,7 +40,7 @@ REST = "rest"
 
 
 def code_files() -> list[Path]:
-    """The source whose code decides a cast's bytes: this module, the methods, the formats and the native kernels."""
+    """The source whose code decides a cast's bytes: this module, the algorithms, the formats and the native kernels."""
     pipeline, native = Path(__file__).parent, Path(__file__).parent.parent / "native"
     modules = ("direct_cast", "ptq", "sequential", "precision", "quant", "packed/layout", "native", "cpu_numerics")
     return ([pipeline / f"{m}.py" for m in modules] + sorted((pipeline / "formats").glob("*.py"))
@@ -48,7 +48,7 @@ def code_files() -> list[Path]:
 
 
 def cast_fingerprint(fixed: list, teacher_dir: Path, calibration: str | None, code: list[Path] | None = None) -> str:
-    """What determines a cast's bytes: ``fixed`` (format, method, plan, fitted state, device, ...), the teacher's
+    """What determines a cast's bytes: ``fixed`` (format, algorithm, plan, fitted state, device, ...), the teacher's
     config and weights, the calibration file (``None``: not read) and the casting code (:func:`code_files`). The
     large files are hashed once per (path, size, modification time) (``filehash.cached_file_hash``)."""
     import torch
@@ -82,27 +82,27 @@ def gptq_cost(shape) -> float:
     return float(d_out) * d_in * d_in
 
 
-def cast_one(plan: Precision, name: str, weight: torch.Tensor, method: str, hessian, fitted):
-    """``(packed tensors, master)`` of weight ``name`` in its planned format: ``method`` for the plan's comparison
-    format (from its ``fitted`` state), ``absmax`` for the others (INT8's only method)."""
+def cast_one(plan: Precision, name: str, weight: torch.Tensor, algorithm: str, hessian, fitted):
+    """``(packed tensors, master)`` of weight ``name`` in its planned format: ``algorithm`` for the plan's comparison
+    format (from its ``fitted`` state), ``absmax`` for the others (INT8's only algorithm)."""
     fmt = plan.format_of(name)
     if not fmt.comparison:
-        return ptq.cast(fmt, weight, method="absmax")
-    return ptq.cast(fmt, weight, method=method, hessian=hessian, fitted=fitted(name))
+        return ptq.cast(fmt, weight, algorithm="absmax")
+    return ptq.cast(fmt, weight, algorithm=algorithm, hessian=hessian, fitted=fitted(name))
 
 
-def cast_group(plan: Precision, names: list[str], weight, fitted, hessian, method: str, path: Path,
+def cast_group(plan: Precision, names: list[str], weight, fitted, hessian, algorithm: str, path: Path,
                fingerprint: str, on_matrix=None) -> None:
     """Cast the weights ``names`` (checkpoint ``P`` of ``P.weight``) and write them to ``path``: ``weight(P)``,
     ``fitted(P)`` and ``hessian(P)`` give the teacher's weight, the fitted state and ``X^T X`` (or None)."""
     tensors = {}
     for name in names:
-        packed, master = cast_one(plan, name, weight(name), method, hessian(name), fitted)
+        packed, master = cast_one(plan, name, weight(name), algorithm, hessian(name), fitted)
         tensors.update({f"{name}.{k}": v.cpu().contiguous() for k, v in packed.items()})
         tensors[f"{name}.master"] = master.cpu().contiguous()
         if on_matrix is not None:
             on_matrix()
-    write_group(path, tensors, {"format": plan.default.name, "method": method}, fingerprint)
+    write_group(path, tensors, {"format": plan.default.name, "algorithm": algorithm}, fingerprint)
 
 
 def write_group(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], fingerprint: str) -> None:
@@ -114,7 +114,7 @@ def write_group(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
         tmp.write_text(fingerprint)
 
 
-def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, method: str, staging: Path, fingerprint: str,
+def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, algorithm: str, staging: Path, fingerprint: str,
                   on_matrix=None) -> None:
     """The sequential cast (:mod:`pipeline.sequential`) of ``model`` (the teacher in float32, cast in place) over the
     calibration ``inputs``, each decoder layer's file written to ``staging`` as soon as its weights are cast. A file
@@ -131,7 +131,7 @@ def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, method: st
             with safe_open(str(path), "pt") as f:
                 tensors = {s: f.get_tensor(f"{name}.{s}") for s in fmt.suffixes}
         else:
-            tensors, master = cast_one(plan, name, weight, method, hessian, fitted)
+            tensors, master = cast_one(plan, name, weight, algorithm, hessian, fitted)
             pending[name] = {**{f"{name}.{k}": v.cpu().contiguous() for k, v in tensors.items()},
                              f"{name}.master": master.cpu().contiguous()}
         if on_matrix is not None:
@@ -143,7 +143,7 @@ def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, method: st
             mine = [n for n in names if group_of(n) == g and n in pending]
             if mine:
                 write_group(staging / f"{g}.safetensors", {k: v for n in mine for k, v in pending.pop(n).items()},
-                            {"format": plan.default.name, "method": method}, fingerprint)
+                            {"format": plan.default.name, "algorithm": algorithm}, fingerprint)
 
     sequential.cast_sequentially(model, inputs, cast, done)
 
@@ -162,11 +162,11 @@ def finished(path: Path, fingerprint: str) -> bool:
         return False
 
 
-def write_index(out: Path, plan: Precision, method: str, groups: dict[str, list[str]], metadata: dict) -> None:
+def write_index(out: Path, plan: Precision, algorithm: str, groups: dict[str, list[str]], metadata: dict) -> None:
     files = {g: f"{g}.safetensors" for g in groups}
     names = [n for g in groups for n in groups[g]]
     other = {"formats": plan.assigned(names)} if plan.assigned(names) else {}
-    doc = {"metadata": {"format": plan.default.name, "method": method, **other, **metadata,
+    doc = {"metadata": {"format": plan.default.name, "algorithm": algorithm, **other, **metadata,
                         "sha256": {files[g]: file_sha256(out / files[g]) for g in sorted(groups)}},
            "weight_map": {n: files[g] for g in sorted(groups) for n in groups[g]}}
     (out / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
@@ -176,7 +176,7 @@ class DirectCast:
     """A format's direct cast as stage direct-cast wrote it: ``packed(P)`` the tensors pack-safetensors writes,
     ``start(P, weight)`` QAT's start ``(master, state, scale)`` (``ptq.start``'s, bit for bit)."""
 
-    def __init__(self, path: str | os.PathLike, fmt: FormatBase, method: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, fmt: FormatBase, algorithm: str | None = None) -> None:
         self.path = Path(path)
         index = self.path / INDEX
         if not index.is_file():
@@ -185,10 +185,10 @@ class DirectCast:
         meta = doc["metadata"]
         if meta["format"] != fmt.name:
             raise ValueError(f"{index}: a direct cast to {meta['format']!r}, not {fmt.name!r}")
-        if method is not None and meta["method"] != method:
-            raise ValueError(f"{index}: cast by {meta['method']!r}, but parameter pack.method is {method!r} "
+        if algorithm is not None and meta["algorithm"] != algorithm:
+            raise ValueError(f"{index}: cast by {meta['algorithm']!r}, but parameter pack.algorithm is {algorithm!r} "
                              "(dvc repro direct-cast)")
-        self.fmt, self.method, self.weight_map = fmt, meta["method"], doc["weight_map"]
+        self.fmt, self.algorithm, self.weight_map = fmt, meta["algorithm"], doc["weight_map"]
         self.formats = {n: formats.packed(f, f"{index}: metadata 'formats' entry {n!r}")
                         for n, f in meta.get("formats", {}).items()}
         """The weights cast to another format than ``fmt`` (the precision plan's)."""

@@ -35,12 +35,12 @@ def run(fmt: FormatBase, doc: dict, teacher_data: str) -> None:
     plan quantises, grouped into files and dealt to the processes (one process casts them in order with
     ``calibrate.sequential``), each finished file staged (``checkpoints/direct-cast/<format>/``: a killed run resumes
     from it), then rank 0 links them into ``models/direct-cast/<format>/`` with the index."""
-    method, cal = doc["pack"].method, doc["calibrate"]
+    algorithm, cal = doc["pack"].algorithm, doc["calibrate"]
     state_file = Path(f"data/centroids/{fmt.name}.safetensors")
     states = check_states(fmt, fmt.load_states(state_file), state_file)
-    if method == "gptq" and not cal.sequential and not Path(CALIBRATION).exists():
-        raise ValueError(f"parameter pack.method=gptq needs {CALIBRATION} (stage calibrate)")
-    calibration = Calibration(CALIBRATION if method == "gptq" and not cal.sequential else None)
+    if algorithm == "gptq" and not cal.sequential and not Path(CALIBRATION).exists():
+        raise ValueError(f"parameter pack.algorithm=gptq needs {CALIBRATION} (stage calibrate)")
+    calibration = Calibration(CALIBRATION if algorithm == "gptq" and not cal.sequential else None)
     root = local_dir(doc["teacher"].dir)
     reader = CheckpointReader(root)
     plan = Precision(fmt, doc["pack"].precision)
@@ -49,7 +49,7 @@ def run(fmt: FormatBase, doc: dict, teacher_data: str) -> None:
     # torchrun sets one thread per process; the bytes do not depend on the count (tested), so each process takes its
     # share of the machine's cores
     set_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    in_order = method == "gptq" and cal.sequential
+    in_order = algorithm == "gptq" and cal.sequential
     on = device()             # this process's GPU where there is one: the searches and GPTQ run there
     launch = settings()
     if world > 1:
@@ -58,7 +58,7 @@ def run(fmt: FormatBase, doc: dict, teacher_data: str) -> None:
     # modification time) while the others wait as long as reading them takes
     read = [*root.glob("*.safetensors"), *([Path(CALIBRATION)] if calibration.path else [])]
     fp = ranks.on_rank0(launch, sum(f.stat().st_size for f in read), lambda: cast_fingerprint(
-        [fmt.name, method, plan.rules, file_hash(state_file), on.type, cpu_numerics.pinned(),
+        [fmt.name, algorithm, plan.rules, file_hash(state_file), on.type, cpu_numerics.pinned(),
          calibration_fingerprint(cal, teacher_data) if in_order else None], root, calibration.path), share=True)
     staging = Path(f"checkpoints/direct-cast/{fmt.name}")
     staging.mkdir(parents=True, exist_ok=True)
@@ -72,9 +72,9 @@ def run(fmt: FormatBase, doc: dict, teacher_data: str) -> None:
     if ranks.collect(f"direct-cast-{fmt.name}", None) is None:
         return                                     # rank 0 assembles once every process has handed over
     out_dir = Path(f"models/direct-cast/{fmt.name}")
-    _assemble(out_dir, staging, plan, method, groups, {"fit_state": file_hash(state_file), "device": on.type})
+    _assemble(out_dir, staging, plan, algorithm, groups, {"fit_state": file_hash(state_file), "device": on.type})
     run_log(f"direct-cast-{fmt.name}", seconds=round(time.perf_counter() - began, 1), processes=world)
-    console.print(f"[green]direct-cast[/] {plan.describe()} ({method}): {sum(map(len, groups.values()))} matrices "
+    console.print(f"[green]direct-cast[/] {plan.describe()} ({algorithm}): {sum(map(len, groups.values()))} matrices "
                     f"in {len(groups)} files -> {out_dir}")
 
 
@@ -109,9 +109,9 @@ def _cast(plan, groups, todo, reader, states, calibration, doc, teacher_data, st
         h = calibration.get(name)
         return None if h is None else h.to(on)
 
-    fmt, method, teacher = plan.default, doc["pack"].method, doc["teacher"]
+    fmt, algorithm, teacher = plan.default, doc["pack"].algorithm, doc["teacher"]
     with progress() as bar:
-        task = bar.add_task(f"direct-cast {fmt.name} ({method})" + (f" rank {rank}" if world > 1 else ""),
+        task = bar.add_task(f"direct-cast {fmt.name} ({algorithm})" + (f" rank {rank}" if world > 1 else ""),
                             total=sum(len(groups[g]) for g in todo))
         if in_order and todo:
             model = load_model(teacher.dir, torch.float32).to(on)
@@ -120,19 +120,19 @@ def _cast(plan, groups, todo, reader, states, calibration, doc, teacher_data, st
                                                   doc["heldout_prompts"], token_ids(model.config),
                                                   doc["sample"].images, teacher=model)]
             bar.update(task, total=sum(map(len, groups.values())))
-            cast_in_order(plan, model, inputs, fitted, method, staging, fp, on_matrix=lambda: bar.advance(task))
+            cast_in_order(plan, model, inputs, fitted, algorithm, staging, fp, on_matrix=lambda: bar.advance(task))
         for g in [] if in_order else todo:
-            cast_group(plan, groups[g], weight, fitted, hessian, method, staging / f"{g}.safetensors", fp,
+            cast_group(plan, groups[g], weight, fitted, hessian, algorithm, staging / f"{g}.safetensors", fp,
                        on_matrix=lambda: bar.advance(task))
 
 
-def _assemble(out_dir: Path, staging: Path, plan: Precision, method: str, groups: dict, extra: dict) -> None:
+def _assemble(out_dir: Path, staging: Path, plan: Precision, algorithm: str, groups: dict, extra: dict) -> None:
     """Every staged file linked into ``out_dir`` (a crash here keeps them staged), the index written, the staging
     removed."""
     with atomic_dir(out_dir) as out:
         for g in groups:
             _link(staging / f"{g}.safetensors", out / f"{g}.safetensors")
-        write_index(out, plan, method, groups, {**extra, **versions()})
+        write_index(out, plan, algorithm, groups, {**extra, **versions()})
     shutil.rmtree(staging, ignore_errors=True)
 
 

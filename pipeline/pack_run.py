@@ -28,7 +28,7 @@ def pack_models(fmt: FormatBase, p: PackParams, teacher: TeacherParams) -> dict:
     states = check_states(fmt, fmt.load_states(state_file), state_file)
     config = load_config(teacher.dir).to_dict()
     teacher_dir = local_dir(teacher.dir)
-    cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, p.method)
+    cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, p.algorithm)
     plan = Precision(fmt, p.precision)
     states = {n: st for n, st in states.items() if plan.format_of(n) is not None}   # bf16: kept as it is
     other = {n: f for n in states if (f := plan.format_of(n)) is not fmt}

@@ -1,8 +1,8 @@
 """Post-training quantisation: how a weight is cast to a format without training. This module checks the
-arguments and chooses the method; each format does the numerics (``fmt.search``, ``fmt.gptq``, in its own module
+arguments and chooses the algorithm; each format does the numerics (``fmt.search``, ``fmt.gptq``, in its own module
 under ``pipeline/formats/``, with what they share in ``pipeline.formats.numerics``).
 
-Methods (``METHODS``), for every comparison format:
+Algorithms (``ALGORITHMS``), for every comparison format:
 
 - ``absmax``: the paper's rule, the format's own ``fit`` and ``pack`` (absmax scales; for S3D8 the
   table fitted on absmax-normalised 3-vectors). Equal to ``fmt.quantize`` bit for bit.
@@ -28,7 +28,7 @@ Methods (``METHODS``), for every comparison format:
 The weighting: ``importance`` is ``diag(X^T X)`` per input channel (see :func:`collect_importance`),
 a weight's squared error counts ``importance[column]`` times. Its overall scale does not matter.
 
-Every method returns the packed tensors a packer writes (:func:`pack`) and their decoded weight
+Every algorithm returns the packed tensors a packer writes (:func:`pack`) and their decoded weight
 (:func:`direct_cast`, equal to ``fmt.unpack(pack(...))`` bit for bit). Deterministic for a seed.
 """
 
@@ -42,15 +42,15 @@ import torch
 from pipeline.formats.base import FormatBase, State, check_weight
 from pipeline.precision import check_rules
 
-Method = Literal["absmax", "search", "gptq"]
-METHODS = get_args(Method)
+Algorithm = Literal["absmax", "search", "gptq"]
+ALGORITHMS = get_args(Algorithm)
 
 
 @dataclass
 class PackParams:
-    """The ``pack`` section of ``params.yaml``: read by direct-cast, qat-train (the method) and pack-safetensors."""
-    dtype: str      # of the tensors that are not quantised
-    method: Method  # the direct cast's post-training method
+    """The ``pack`` section of ``params.yaml``: read by direct-cast, qat-train (the algorithm) and pack-safetensors."""
+    dtype: str                  # of the tensors that are not quantised
+    algorithm: Algorithm        # the direct cast's post-training algorithm
     precision: dict[str, str]   # the precision plan: {regex on the weight name: format} (pipeline.precision)
 
     def __post_init__(self) -> None:
@@ -59,10 +59,10 @@ class PackParams:
 
 # --- argument checks ------------------------------------------------------------------------------
 
-def check_method(method: str) -> str:
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
-    return method
+def check_algorithm(algorithm: str) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    return algorithm
 
 
 def check_importance(importance: torch.Tensor | None, d_in: int, what: str = "importance") -> torch.Tensor | None:
@@ -103,30 +103,30 @@ def check_hessian(hessian: torch.Tensor | None, d_in: int) -> torch.Tensor | Non
 
 # --- the contract -----------------------------------------------------------------------------------
 
-def pack(fmt: FormatBase, weight: torch.Tensor, *, method: str,
+def pack(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
          importance: torch.Tensor | None = None, hessian: torch.Tensor | None = None, seed: int = 0,
          fitted: State | None = None, compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The packed tensors (``{suffix: tensor}``, as ``fmt.pack`` lays them out) of ``weight`` cast to format
-    ``fmt`` by ``method`` (``absmax``, the only one for the formats outside the comparison: int8, bf16; the
-    stages take it from parameter ``pack.method``). What a packer writes. ``fitted``: the format's
-    ``fit(weight, seed)`` when already at hand (stage fit-centroids' state of this weight), which every method
+    ``fmt`` by ``algorithm`` (``absmax``, the only one for the formats outside the comparison: int8, bf16; the
+    stages take it from parameter ``pack.algorithm``). What a packer writes. ``fitted``: the format's
+    ``fit(weight, seed)`` when already at hand (stage fit-centroids' state of this weight), which every algorithm
     starts from; fitted here otherwise. ``compensated`` (float32 ``[d_out, d_in]``, for :func:`cast`) receives
-    GPTQ's error-compensated weights when the method runs GPTQ, else stays untouched."""
+    GPTQ's error-compensated weights when the algorithm runs GPTQ, else stays untouched."""
     check_weight(weight)
-    method = check_method(method)
+    algorithm = check_algorithm(algorithm)
     d_in = weight.shape[1]
     importance = check_importance(importance, d_in)
     hessian = check_hessian(hessian, d_in)
     if hessian is not None and importance is not None:
         raise ValueError("importance and hessian: give one (the hessian's diagonal is the importance)")
-    if method == "absmax" or not fmt.comparison:
-        if method != "absmax":
-            raise ValueError(f"method {method!r}: format {fmt.name!r} has only 'absmax'")
+    if algorithm == "absmax" or not fmt.comparison:
+        if algorithm != "absmax":
+            raise ValueError(f"algorithm {algorithm!r}: format {fmt.name!r} has only 'absmax'")
         return fmt.pack(weight.detach(), fmt.fit(weight, seed=seed) if fitted is None else fitted)
-    if method == "gptq" and hessian is None:
-        method = "search"          # the diagonal alone gives no error feedback: exactly the weighted search
+    if algorithm == "gptq" and hessian is None:
+        algorithm = "search"          # the diagonal alone gives no error feedback: exactly the weighted search
     w = weight.detach().float()
-    if method == "gptq":
+    if algorithm == "gptq":
         return fmt.gptq(w, hessian, seed=seed, fitted=fitted, compensated=compensated)
     if hessian is not None:
         importance = hessian.diagonal().contiguous()
@@ -134,36 +134,36 @@ def pack(fmt: FormatBase, weight: torch.Tensor, *, method: str,
     return fmt.pack_at_scale(w, state, scale)
 
 
-def direct_cast(fmt: FormatBase, weight: torch.Tensor, *, method: str,
+def direct_cast(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
                 importance: torch.Tensor | None = None, hessian: torch.Tensor | None = None,
                 seed: int = 0) -> torch.Tensor:
-    """The decoded ``float32`` weight a packer writes for format ``fmt`` and ``method``, bit for bit:
+    """The decoded ``float32`` weight a packer writes for format ``fmt`` and ``algorithm``, bit for bit:
     ``fmt.unpack(pack(...), weight.shape)``. ``fmt.quantize`` stays the QAT forward (absmax)."""
     if fmt.layout is None:           # int8, bf16: no packed file; their one cast is the fake-quant forward
         check_weight(weight)
-        if check_method(method) != "absmax":
-            raise ValueError(f"method {method!r}: format {fmt.name!r} has only 'absmax'")
+        if check_algorithm(algorithm) != "absmax":
+            raise ValueError(f"algorithm {algorithm!r}: format {fmt.name!r} has only 'absmax'")
         return fmt.quantize(weight.detach().float(), fmt.fit(weight, seed=seed))
-    tensors = pack(fmt, weight, method=method, importance=importance, hessian=hessian, seed=seed)
+    tensors = pack(fmt, weight, algorithm=algorithm, importance=importance, hessian=hessian, seed=seed)
     return fmt.unpack(tensors, tuple(weight.shape))
 
 
 # --- a start for QAT ---------------------------------------------------------------------------------
 
-def cast(fmt: FormatBase, weight: torch.Tensor, *, method: str,
+def cast(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
          hessian: torch.Tensor | None = None, seed: int = 0,
          fitted: State | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The direct cast and the point QAT can start from, in one computation: ``(packed tensors, master)``, the
     tensors :func:`pack` writes and a float32 master weight such that quantising it at their state and scale
     gives those tensors' decoded weight bit for bit.
 
-    The master is the continuous weight the method rounded (the teacher's weight for a scale search; GPTQ's
+    The master is the continuous weight the algorithm rounded (the teacher's weight for a scale search; GPTQ's
     error-compensated weight), not the decoded one: a decoded weight sits at the centre of its quantisation cell,
     where the small steps of QAT never move it to another code. Where rounding makes a master's code differ from
     the cast's (an S3D8 byte: all three of its weights, ``fmt.whole_codes``), it starts at its decoded value."""
     w = weight.detach().float()
     compensated = torch.full_like(w, float("nan"))
-    tensors = pack(fmt, w, method=method, hessian=hessian, seed=seed, fitted=fitted, compensated=compensated)
+    tensors = pack(fmt, w, algorithm=algorithm, hessian=hessian, seed=seed, fitted=fitted, compensated=compensated)
     state, scale = fmt.state_of(tensors), tensors["scale"]
     decoded = fmt.unpack(tensors, tuple(w.shape))
     master = w if bool(compensated.isnan().all()) else compensated
@@ -171,11 +171,11 @@ def cast(fmt: FormatBase, weight: torch.Tensor, *, method: str,
     return tensors, torch.where(fmt.whole_codes(same), master, decoded)
 
 
-def start(fmt: FormatBase, weight: torch.Tensor, *, method: str,
+def start(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
           hessian: torch.Tensor | None = None, seed: int = 0,
           fitted: State | None = None) -> tuple[torch.Tensor, State, torch.Tensor]:
     """The post-training point of :func:`cast` as QAT takes it: ``(master weight, quantiser state, bf16 scale)``."""
-    tensors, master = cast(fmt, weight, method=method, hessian=hessian, seed=seed, fitted=fitted)
+    tensors, master = cast(fmt, weight, algorithm=algorithm, hessian=hessian, seed=seed, fitted=fitted)
     return master, fmt.state_of(tensors), tensors["scale"]
 
 

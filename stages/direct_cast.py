@@ -1,4 +1,4 @@
-"""DVC stage direct-cast: cast the teacher to one format by ``pack.method``, once, for qat-train and pack-safetensors.
+"""DVC stage direct-cast: cast the teacher to one format by ``pack.algorithm``, once, for qat-train and pack-safetensors.
 
     python -m pipeline.launch stages/direct_cast.py --format s3d8    # launch.num_processes processes share it
 

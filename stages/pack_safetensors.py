@@ -9,7 +9,7 @@
 readable by the Llama-Mobile reference loader) or our documented scalar layout, sharded with an index above
 ``pipeline.hf.config.MAX_SHARD_SIZE``. Streams tensor by tensor; S3D8 uses the native encoder. Sizes and bits per
 parameter go to ``reports/pack/<format>.json``. The direct cast is stage direct-cast's
-(``models/direct-cast/<format>/``, cast by ``pack.method``), packed as it is.
+(``models/direct-cast/<format>/``, cast by ``pack.algorithm``), packed as it is.
 """
 
 from __future__ import annotations

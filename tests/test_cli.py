@@ -248,7 +248,7 @@ def test_pack_safetensors_names_a_nan_weight_and_its_file(tmp_path):
     from tests.stage_helpers import build_tiny_teacher, run_stage, workdir
 
     teacher = build_tiny_teacher(tmp_path / "teacher")
-    cwd = workdir(tmp_path / "work", teacher, **{"pack.method": "absmax"})
+    cwd = workdir(tmp_path / "work", teacher, **{"pack.algorithm": "absmax"})
     names = list(quantised_weight_names(meta_model(load_config(str(teacher)))).values())
     reader = CheckpointReader(teacher)
     table = fit_centroids(reader.get(names[-1]).float(), seed=0, max_vectors=1024)

@@ -87,12 +87,12 @@ def test_the_fingerprint_lies_beside_the_group_file_not_in_it(tmp_path):
 
     path = tmp_path / "rest.safetensors"
     tensors = {"a.weight.packed": torch.arange(6, dtype=torch.uint8)}
-    write_group(path, tensors, {"format": "s3d8", "method": "gptq"}, "fp-1")
+    write_group(path, tensors, {"format": "s3d8", "algorithm": "gptq"}, "fp-1")
     first = path.read_bytes()
     assert finished(path, "fp-1") and not finished(path, "fp-2")
     with safe_open(str(path), "pt") as f:
         assert "fingerprint" not in (f.metadata() or {})
-    write_group(path, tensors, {"format": "s3d8", "method": "gptq"}, "fp-2")
+    write_group(path, tensors, {"format": "s3d8", "algorithm": "gptq"}, "fp-2")
     assert path.read_bytes() == first and finished(path, "fp-2")
     path.with_suffix(".fingerprint").unlink()
     assert not finished(path, "fp-2")                  # a file without its mark (a crash between the two) is redone

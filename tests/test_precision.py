@@ -182,7 +182,7 @@ def test_sequential_gptq_beats_the_teachers_hessians_on_a_tiny_llama():
             return float(((torch.cat([model(**b).logits[0] for b in inputs]) - ref) ** 2).mean())
 
     def cast(name, weight, hessian):
-        tensors, _ = ptq.cast(S3D8, weight, method="gptq", hessian=hessian)
+        tensors, _ = ptq.cast(S3D8, weight, algorithm="gptq", hessian=hessian)
         return S3D8.unpack(tensors, tuple(weight.shape))
 
     in_order = tiny_llama(tied=False, intermediate=128).float()

@@ -1,4 +1,4 @@
-"""Post-training methods (pipeline/ptq.py): bit-exact casts, scale search, importance, GPTQ."""
+"""Post-training algorithms (pipeline/ptq.py): bit-exact casts, scale search, importance, GPTQ."""
 
 from __future__ import annotations
 
@@ -95,13 +95,13 @@ def test_cast_with_and_without_the_native_nearest_step_is_the_same(monkeypatch):
             assert torch.equal(u, v)
 
 
-@pytest.mark.parametrize("method", ["search", "gptq"])
-def test_s3d8_cast_is_its_packed_bytes_bit_for_bit(method):
-    kw = {"hessian": H} if method == "gptq" else {}
-    t = ptq.pack(formats.get("s3d8"), W, method=method, **kw)
+@pytest.mark.parametrize("algorithm", ["search", "gptq"])
+def test_s3d8_cast_is_its_packed_bytes_bit_for_bit(algorithm):
+    kw = {"hessian": H} if algorithm == "gptq" else {}
+    t = ptq.pack(formats.get("s3d8"), W, algorithm=algorithm, **kw)
     decoded = s3d8.decode(t["packed"], t["scale"], t["table"], W.shape)
-    assert torch.equal(bits(cast("s3d8", W, method=method, **kw)), bits(decoded))
-    if method == "search":  # the bytes are the nearest-centroid codes for the searched scale
+    assert torch.equal(bits(cast("s3d8", W, algorithm=algorithm, **kw)), bits(decoded))
+    if algorithm == "search":  # the bytes are the nearest-centroid codes for the searched scale
         packed, _ = s3d8.encode_with_scale(W, t["table"], t["scale"])
         assert torch.equal(packed.reshape(-1), t["packed"])
         assert torch.equal(bits(s3d8.quantize_with_scale(W, t["table"], t["scale"])), bits(decoded))
@@ -110,22 +110,22 @@ def test_s3d8_cast_is_its_packed_bytes_bit_for_bit(method):
 def test_absmax_cast_equals_the_qat_forward():
     for name in formats.QUANTISED:
         fmt = formats.get(name)
-        q = cast(name, W, method="absmax")
+        q = cast(name, W, algorithm="absmax")
         assert torch.equal(q, fmt.quantize(W, fmt.fit(W))), name
     int8 = formats.get("int8")
-    assert torch.equal(cast("int8", W, method="absmax"), int8.quantize(W, int8.fit(W)))
-    with pytest.raises(ValueError, match="method 'search'"):
-        cast("int8", W, method="search")
+    assert torch.equal(cast("int8", W, algorithm="absmax"), int8.quantize(W, int8.fit(W)))
+    with pytest.raises(ValueError, match="algorithm 'search'"):
+        cast("int8", W, algorithm="search")
 
 
 @pytest.mark.parametrize("name", ["int", "student_t", "lloyd_max"])
-@pytest.mark.parametrize("method", ["search", "gptq"])
-def test_scalar_cast_is_its_packed_bytes_bit_for_bit(name, method):
+@pytest.mark.parametrize("algorithm", ["search", "gptq"])
+def test_scalar_cast_is_its_packed_bytes_bit_for_bit(name, algorithm):
     fmt = formats.get(name)
-    kw = {"hessian": H} if method == "gptq" else {}
-    t = ptq.pack(formats.get(name), W, method=method, **kw)
+    kw = {"hessian": H} if algorithm == "gptq" else {}
+    t = ptq.pack(formats.get(name), W, algorithm=algorithm, **kw)
     decoded = scalar.decode(t["codes"], t["scale"], t["codepoints"], fmt.block, W.shape)
-    assert torch.equal(bits(cast(name, W, method=method, **kw)), bits(decoded))
+    assert torch.equal(bits(cast(name, W, algorithm=algorithm, **kw)), bits(decoded))
     assert set(t) == set(fmt.packed_specs(W.shape, {}))
     for key, (dtype, shape) in fmt.packed_specs(W.shape, {}).items():
         assert t[key].dtype == dtype and tuple(t[key].shape) == shape, key
@@ -146,14 +146,14 @@ def test_search_never_worse_than_absmax(seed):
     w = heavy(31 + seed, 48, seed=10 + seed, dof=2.0 + seed)
     imp = torch.rand(48, generator=torch.Generator().manual_seed(seed)) * 4
     for name in formats.QUANTISED:
-        base = cast(name, w, method="absmax")
-        assert rel(w, cast(name, w, method="search")) <= rel(w, base) + 1e-12, name
-        assert rel(w, cast(name, w, method="search", importance=imp), imp) <= rel(w, base, imp) + 1e-12
+        base = cast(name, w, algorithm="absmax")
+        assert rel(w, cast(name, w, algorithm="search")) <= rel(w, base) + 1e-12, name
+        assert rel(w, cast(name, w, algorithm="search", importance=imp), imp) <= rel(w, base, imp) + 1e-12
 
 
 def test_search_helps_s3d8_on_heavy_tails():
     w = heavy(60, 96, seed=5, dof=2.0)
-    assert rel(w, cast("s3d8", w, method="search")) < 0.97 * rel(w, cast("s3d8", w, method="absmax"))
+    assert rel(w, cast("s3d8", w, algorithm="search")) < 0.97 * rel(w, cast("s3d8", w, algorithm="absmax"))
 
 
 # --- edge cases -------------------------------------------------------------------------------------
@@ -164,32 +164,32 @@ def test_zero_and_constant_rows():
     w[6:9] = 0                     # a whole all-zero group
     w[10] = 0.5                    # a constant row
     w[11] = -0.25
-    for method in ("search", "gptq"):
-        t = ptq.pack(formats.get("s3d8"), w, method=method, hessian=H[:32, :32] if method == "gptq" else None)
+    for algorithm in ("search", "gptq"):
+        t = ptq.pack(formats.get("s3d8"), w, algorithm=algorithm, hessian=H[:32, :32] if algorithm == "gptq" else None)
         q = s3d8.decode(t["packed"], t["scale"], t["table"], w.shape)
         assert torch.isfinite(q).all() and bool((t["scale"].float() > 0).all())
-        assert q[[2, 6, 7, 8]].abs().max() < 1e-30, method
+        assert q[[2, 6, 7, 8]].abs().max() < 1e-30, algorithm
         assert torch.allclose(q[10], w[10], rtol=0.02) and torch.allclose(q[11], w[11], rtol=0.02)
     for name in formats.QUANTISED:
         zero = torch.zeros(5, 20)
-        for method in ("absmax", "search"):
-            q = cast(name, zero, method=method)
-            assert torch.isfinite(q).all() and (q.abs() < 1e-30).all() or method == "absmax", (name, method)
+        for algorithm in ("absmax", "search"):
+            q = cast(name, zero, algorithm=algorithm)
+            assert torch.isfinite(q).all() and (q.abs() < 1e-30).all() or algorithm == "absmax", (name, algorithm)
 
 
 def test_nan_is_rejected_naming_the_argument():
     bad = W.clone()
     bad[3, 4] = float("nan")
     with pytest.raises(ValueError, match="weight"):
-        cast("s3d8", bad, method="search")
+        cast("s3d8", bad, algorithm="search")
     imp = torch.ones(W.shape[1])
     imp[1] = float("nan")
     with pytest.raises(ValueError, match="importance"):
-        cast("s3d8", W, method="search", importance=imp)
+        cast("s3d8", W, algorithm="search", importance=imp)
     h = H.clone()
     h[0, 1] = h[1, 0] = float("inf")
     with pytest.raises(ValueError, match="hessian"):
-        cast("s3d8", W, method="gptq", hessian=h)
+        cast("s3d8", W, algorithm="gptq", hessian=h)
     scale = s3d8.weight_scale(W).clone()
     scale[0] = float("nan")
     with pytest.raises(ValueError, match="scale"):
@@ -197,17 +197,17 @@ def test_nan_is_rejected_naming_the_argument():
     with pytest.raises(ValueError, match="scale"):
         s3d8.encode_with_scale(W, s3d8.fit_centroids(W), torch.zeros(W.shape[0], 1))
     with pytest.raises(ValueError, match="importance"):
-        cast("int", W, method="search", importance=-torch.ones(W.shape[1]))
-    with pytest.raises(ValueError, match="method"):
-        cast("s3d8", W, method="awq")
+        cast("int", W, algorithm="search", importance=-torch.ones(W.shape[1]))
+    with pytest.raises(ValueError, match="algorithm"):
+        cast("s3d8", W, algorithm="awq")
 
 
 def test_deterministic_for_a_seed():
     for name in ("s3d8", "lloyd_max"):
-        a = ptq.pack(formats.get(name), W, method="search", seed=3)
-        b = ptq.pack(formats.get(name), W, method="search", seed=3)
+        a = ptq.pack(formats.get(name), W, algorithm="search", seed=3)
+        b = ptq.pack(formats.get(name), W, algorithm="search", seed=3)
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    a, b = (cast("s3d8", W, method="gptq", hessian=H) for _ in range(2))
+    a, b = (cast("s3d8", W, algorithm="gptq", hessian=H) for _ in range(2))
     assert torch.equal(a, b)
 
 
@@ -222,16 +222,16 @@ def test_gptq_lowers_the_output_error():
     x, held_out = correlated_inputs(2000, 64, seed=8).split(1000)     # calibration and held-out tokens
     h = x.T @ x / x.shape[0]
     for name in ("s3d8", "int"):
-        direct = output_error(w, cast(name, w, method="absmax"), held_out)
-        search = output_error(w, cast(name, w, method="search", importance=h.diagonal()), held_out)
-        gptq = output_error(w, cast(name, w, method="gptq", hessian=h), held_out)
+        direct = output_error(w, cast(name, w, algorithm="absmax"), held_out)
+        search = output_error(w, cast(name, w, algorithm="search", importance=h.diagonal()), held_out)
+        gptq = output_error(w, cast(name, w, algorithm="gptq", hessian=h), held_out)
         assert gptq < 0.8 * direct and gptq < search, (name, direct, search, gptq)
 
 
 def test_gptq_with_the_diagonal_only_is_the_weighted_search():
     imp = H.diagonal().clone()
-    assert torch.equal(cast("s3d8", W, method="gptq", importance=imp),
-                       cast("s3d8", W, method="search", importance=imp))
+    assert torch.equal(cast("s3d8", W, algorithm="gptq", importance=imp),
+                       cast("s3d8", W, algorithm="search", importance=imp))
 
 
 # --- calibration ------------------------------------------------------------------------------------
@@ -257,18 +257,18 @@ def test_collect_importance_and_hessians_on_a_tiny_model():
 
 @pytest.mark.parametrize("name", formats.QUANTISED)
 def test_fit_and_cast_allocate_on_the_weights_device(name, monkeypatch):
-    """Stage direct-cast runs on a GPU where there is one: no tensor of a fit or a post-training method may be
+    """Stage direct-cast runs on a GPU where there is one: no tensor of a fit or a post-training algorithm may be
     created on torch's default device. With ``meta`` as the default, any such tensor meets the CPU weight and
     fails; the result must equal the plain run's bit for bit."""
     monkeypatch.setattr(s3d8, "native_or_none", lambda: None)      # the torch path, the one a GPU runs
     fmt = formats.get(name)
-    methods = ["search", "gptq"] if fmt.comparison else ["absmax"]
-    for method in methods:
-        hessian = H if method == "gptq" else None
-        expected = ptq.cast(fmt, W, method=method, hessian=hessian)
+    algorithms = ["search", "gptq"] if fmt.comparison else ["absmax"]
+    for algorithm in algorithms:
+        hessian = H if algorithm == "gptq" else None
+        expected = ptq.cast(fmt, W, algorithm=algorithm, hessian=hessian)
         with torch.device("meta"):
-            got = ptq.cast(fmt, W, method=method, hessian=hessian, fitted=fmt.fit(W, seed=0))
+            got = ptq.cast(fmt, W, algorithm=algorithm, hessian=hessian, fitted=fmt.fit(W, seed=0))
         assert {k: v.device.type for k, v in got[0].items()} == {k: "cpu" for k in expected[0]}
         for k, v in expected[0].items():
-            assert torch.equal(got[0][k], v), (method, k)
-        assert torch.equal(bits(got[1]), bits(expected[1])), method
+            assert torch.equal(got[0][k], v), (algorithm, k)
+        assert torch.equal(bits(got[1]), bits(expected[1])), algorithm

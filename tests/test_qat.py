@@ -149,16 +149,16 @@ def test_ptq_start_is_the_direct_cast(fmt):
     x = torch.randn(64, 32)
     hessian = {"proj": x.T @ x / 64}
     states = {n: formats.get(fmt).fit(w) for n, w in teacher.items()}
-    start = lambda name, w: ptq.start(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))  # noqa: E731
+    start = lambda name, w: ptq.start(formats.get(fmt), w, algorithm="gptq", hessian=hessian.get(name))  # noqa: E731
     names = {}
     quantise_student(model, formats.get(fmt), states, defaults(QATParams, "qat", init="ptq", learn_scales=True), start, names)
     assert names == {"embed": "embed.weight", "proj": "proj.weight"}
     for name, w in teacher.items():
-        want = ptq.direct_cast(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))
+        want = ptq.direct_cast(formats.get(fmt), w, algorithm="gptq", hessian=hessian.get(name))
         assert torch.equal(model.get_submodule(name).quantized_weight().detach(), want), name
-        # the master is the weight the method rounded, not the decoded one (a cell centre QAT cannot leave)
+        # the master is the weight the algorithm rounded, not the decoded one (a cell centre QAT cannot leave)
         assert float((model.get_submodule(name).weight.detach() != want).float().mean()) > 0.9, name
-        tensors = ptq.pack(formats.get(fmt), w, method="gptq", hessian=hessian.get(name))
+        tensors = ptq.pack(formats.get(fmt), w, algorithm="gptq", hessian=hessian.get(name))
         assert torch.equal(learned_scale(model.get_submodule(name).qat_log2_scale), tensors["scale"])
 
 
@@ -319,10 +319,10 @@ def test_tied_modules_get_one_post_training_start():
 
     def start(name, w):
         calls.append(name)
-        return ptq.start(formats.get("s3d8"), w, method="search")
+        return ptq.start(formats.get("s3d8"), w, algorithm="search")
 
     quantise_student(model, fmt, states, defaults(QATParams, "qat", init="ptq", learn_scales=True), start, {})
     assert len(calls) == len(set(calls)) == len(states)
     head, emb = model.lm_head, model.model.embed_tokens
     assert head.weight is emb.weight and torch.equal(head.qstate["table"], emb.qstate["table"])
-    assert torch.equal(head.quantized_weight(), ptq.direct_cast(formats.get("s3d8"), embed, method="search"))
+    assert torch.equal(head.quantized_weight(), ptq.direct_cast(formats.get("s3d8"), embed, algorithm="search"))

@@ -421,7 +421,7 @@ def test_our_packed_rows_census_quality_and_speed(teacher, tmp_path):
     rotated.parent.mkdir(parents=True)        # pack-safetensors of a rotated teacher names its rotation
     write_packed(rotated, CheckpointReader(teacher_dir), fmt, states,
                  metadata={"config": model.config.to_dict(), "rotate": "orthogonal", "rotate_seed": 0,
-                           "pack_params": {"method": "gptq", "dtype": "bfloat16"}})
+                           "pack_params": {"algorithm": "gptq", "dtype": "bfloat16"}})
     other = tmp_path / "packed" / "s3d8" / "qat" / "model.safetensors"
     other.parent.mkdir(parents=True)
     from safetensors.torch import save_file

@@ -13,7 +13,6 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from pipeline.shards import read_shard
 from tests.stage_helpers import build_tiny_teacher, run_stage, run_stage_killed_after, workdir
 
 STAGES = Path(__file__).resolve().parent.parent / "stages"
@@ -119,7 +118,7 @@ def test_a_planted_pickle_never_runs_and_training_starts_afresh(chain, tmp_path,
 
 
 def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
-    """calibrate holds X^T X for every quantised Linear (symmetric, finite); pack.method=gptq (the default) uses
+    """calibrate holds X^T X for every quantised Linear (symmetric, finite); pack.algorithm=gptq (the default) uses
     it: its direct cast has a lower output error tr(dW H dW^T) on the calibration set than the scale search's."""
     import torch
 
@@ -133,7 +132,7 @@ def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     assert any(k.endswith("down_proj") for k in hessians) and not any("embed" in k for k in hessians)
     for name, h in hessians.items():
         assert torch.isfinite(h).all() and torch.equal(h, h.T) and bool((h.diagonal() >= 0).all()), name
-    cwd = workdir(tmp_path, teacher, **{"pack.method": "search"})
+    cwd = workdir(tmp_path, teacher, **{"pack.algorithm": "search"})
     for part in ("data/centroids", "data/calibration", "models/qat"):
         shutil.copytree(chain / part, cwd / part)
     run_stage(cwd, "direct_cast.py", "--format", "s3d8")
@@ -142,13 +141,13 @@ def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     module_of = {saved.removesuffix(".weight"): module
                  for module, saved in quantised_weight_names(meta_model(load_config(str(teacher)))).items()}
     errors = {}
-    for method, root in (("gptq", chain), ("search", cwd)):
+    for algorithm, root in (("gptq", chain), ("search", cwd)):
         model = load_packed_model(root / "models/packed/s3d8/direct-cast/model.safetensors", act_quant=False)
         total = 0.0
         for name, h in hessians.items():
             dw = model.get_submodule(module_of[name]).weight.float() - teacher_w.get(f"{name}.weight").float()
             total += float(torch.einsum("ij,jk,ik->", dw, h, dw))
-        errors[method] = total
+        errors[algorithm] = total
     assert errors["gptq"] < errors["search"], errors
 
 
@@ -336,14 +335,14 @@ def test_direct_cast_is_ptq_bit_for_bit_and_what_pack_and_qat_read(chain, teache
     assert len(cast.weight_map) > 10
     for name in cast.weight_map:
         w = teacher_w.get(f"{name}.weight").float()
-        want = ptq.pack(fmt, w, method="gptq", hessian=hessians.get(name))
+        want = ptq.pack(fmt, w, algorithm="gptq", hessian=hessians.get(name))
         got = cast.packed(name, w.shape)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
         assert all(torch.equal(packed.get_tensor(f"{name}.weight.{k}"), got[k]) for k in fmt.suffixes), name
-        master, state, scale = ptq.start(fmt, w, method="gptq", hessian=hessians.get(name))
+        master, state, scale = ptq.start(fmt, w, algorithm="gptq", hessian=hessians.get(name))
         m2, s2, sc2 = cast.start(name, w)
         assert torch.equal(master, m2) and torch.equal(scale, sc2) and torch.equal(state["table"], s2["table"]), name
-    with pytest.raises(ValueError, match="pack.method is 'search'"):
+    with pytest.raises(ValueError, match="pack.algorithm is 'search'"):
         DirectCast(chain / "models/direct-cast/s3d8", fmt, "search")
     with pytest.raises(ValueError, match="not 'int'"):
         DirectCast(chain / "models/direct-cast/s3d8", formats.get("int"), "gptq")
@@ -376,11 +375,6 @@ def test_calibrate_in_several_passes_writes_the_same_file(chain, tmp_path, teach
     assert f"{modules} pass(es)" in log
     assert (cwd / "data/calibration/hessians.safetensors").read_bytes() == \
         (chain / "data/calibration/hessians.safetensors").read_bytes()
-
-
-def _outputs(root: Path) -> dict[str, bytes]:
-    return {str(f.relative_to(root)): f.read_bytes() for part in ("data", "models", "reports")
-            for f in sorted((root / part).rglob("*")) if f.is_file()}
 
 
 @pytest.mark.slow            # the chain again (minutes); test_cpu_numerics checks every stage imports the pin

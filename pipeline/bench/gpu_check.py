@@ -1,7 +1,7 @@
 """The skeleton on one CUDA GPU: the direct cast that QAT starts from, a few QAT steps from it, a teacher-generate
 shard; throughput and peak GPU memory of each.
 
-    pipeline/bench/gpu_check.sh [--out FILE] [--preset full] [--method gptq] [--steps 4] [--batch 4] [--seq 512]
+    pipeline/bench/gpu_check.sh [--out FILE] [--preset full] [--algorithm gptq] [--steps 4] [--batch 4] [--seq 512]
     pipeline/bench/gpu_check.sh --device cpu --preset tiny --steps 1 --batch 2 --seq 64    # the same code, no GPU
 
 Builds the 11B-shaped skeleton (``pipeline/bench/skeleton_11b.py``, preset ``full``: 1.87 B parameters, every width
@@ -10,7 +10,7 @@ unless it is already under ``checkpoints/skeleton-11b/<preset>/model``, gives ev
 once on the embedding: throughput does not depend on the table; ``--fit`` fits each matrix as the pipeline does),
 then on the device:
 
-- cast: stage direct-cast's work (``pipeline.direct_cast.cast_group`` by ``--method``, every matrix on the GPU as
+- cast: stage direct-cast's work (``pipeline.direct_cast.cast_group`` by ``--algorithm``, every matrix on the GPU as
   the stage puts it there) with a synthetic ``X^T X`` per Linear (a skeleton has no calibration data; GPTQ's cost
   does not depend on the values); seconds per matrix, and from them the 11B's direct cast on 1 and on 8 GPUs
   (its 526 matrices by shape, dealt to 8 processes as the stage deals them). One matrix is also cast on the CPU:
@@ -334,8 +334,8 @@ def write_report(files: list[Path], env: str = "") -> None:
                   f"{r['cpu_threads']} CPU threads, {r.get('seconds')} s", ""]
         c = r.get("cast")
         if c and "error" not in c:
-            lines += [f"Direct cast ({c['method']}, synthetic X^T X, every matrix on {c['device']}): {c['matrices']} "
-                      f"matrices, {c['weights'] / 1e9:.3f} B weights in {c['seconds']:.1f} s.", "",
+            lines += [f"Direct cast ({c['algorithm']}, synthetic X^T X, every matrix on {c['device']}): "
+                      f"{c['matrices']} matrices, {c['weights'] / 1e9:.3f} B weights in {c['seconds']:.1f} s.", "",
                       "| shape | seconds |", "|---|---:|"]
             lines += [f"| {k} | {v} |" for k, v in c["seconds_by_shape"].items()]
             lines += ["", "Llama 3.2 11B Vision's direct cast from these seconds (its matrices by shape, dealt as "
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the same code without a GPU (a dry run of this script)")
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"which of {', '.join(CHECKS)}, comma-separated")
-    parser.add_argument("--method", choices=("gptq", "search"), default="gptq", help="the direct cast's method")
+    parser.add_argument("--algorithm", choices=("gptq", "search"), default="gptq", help="the direct cast's algorithm")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = round(time.perf_counter() - t0, 1)
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
-    runs = {"cast": lambda: cast_check(args.preset, args.method, device, phases),
+    runs = {"cast": lambda: cast_check(args.preset, args.algorithm, device, phases),
             "qat": lambda: qat_check(args.preset, args.steps, args.batch, args.seq, phases,
                                      result.get("cast", {}).get("out_dir")),
             "generate": lambda: generate_check(args.preset, args.gen_prompts, args.gen_tokens, phases)}

@@ -64,7 +64,7 @@ def predict_11b(measured: dict[tuple, float], processes: int) -> dict:
             "seconds_one_process": round(sum(group_seconds.values()), 1)}
 
 
-def cast_check(preset: str, method: str, device, phases, compare: bool = True) -> dict:
+def cast_check(preset: str, algorithm: str, device, phases, compare: bool = True) -> dict:
     """Stage direct-cast's work on ``device``; writes ``<preset>/direct-cast/s3d8`` for :func:`qat_check`."""
     from pipeline.bench import skeleton_11b_steps as S
     from pipeline import direct_cast, formats
@@ -92,7 +92,7 @@ def cast_check(preset: str, method: str, device, phases, compare: bool = True) -
 
     def hessian(name):
         shape, linear = inventory[name]
-        return hessians[shape[1]] if linear and method == "gptq" else None
+        return hessians[shape[1]] if linear and algorithm == "gptq" else None
 
     seconds: dict[str, float] = {}
     order = [n for g in groups for n in groups[g]]
@@ -109,28 +109,28 @@ def cast_check(preset: str, method: str, device, phases, compare: bool = True) -
     with atomic_dir(out_dir) as out:
         for g, names in groups.items():
             clock[0] = time.perf_counter()
-            direct_cast.cast_group(Precision(fmt), names, weight, fitted, hessian, method, out / f"{g}.safetensors",
+            direct_cast.cast_group(Precision(fmt), names, weight, fitted, hessian, algorithm, out / f"{g}.safetensors",
                                    "gpu-check", on_matrix=on_matrix)
-        direct_cast.write_index(out, Precision(fmt), method, groups, {"device": device.type})
+        direct_cast.write_index(out, Precision(fmt), algorithm, groups, {"device": device.type})
     phases.exit()
     by_shape: dict[tuple, list[float]] = {}
     for name, sec in seconds.items():
         by_shape.setdefault(inventory[name][0], []).append(sec)
     measured = {shape: min(v) for shape, v in by_shape.items()}     # the first of a shape carries warm-up
-    result = {"method": method, "device": str(device), "out_dir": str(out_dir), "matrices": len(seconds),
+    result = {"algorithm": algorithm, "device": str(device), "out_dir": str(out_dir), "matrices": len(seconds),
               "weights": sum(inventory[n][0][0] * inventory[n][0][1] for n in seconds),
               "seconds": phases.records["cast"]["seconds"],
               "seconds_by_shape": {str(s): round(v, 3) for s, v in sorted(measured.items())},
               "predicted_11b": [predict_11b(measured, k) for k in (1, 8)]}
     if compare:
         try:
-            result["cpu_vs_device"] = compare_on_cpu(fmt, states, reader, inventory, hessians, method, device)
+            result["cpu_vs_device"] = compare_on_cpu(fmt, states, reader, inventory, hessians, algorithm, device)
         except Exception as e:  # noqa: BLE001  (the cast itself is done: QAT can start from it)
             result["cpu_vs_device"] = {"error": f"{type(e).__name__}: {e}"}
     return result
 
 
-def compare_on_cpu(fmt, states, reader, inventory, hessians, method: str, device) -> dict:
+def compare_on_cpu(fmt, states, reader, inventory, hessians, algorithm: str, device) -> dict:
     """One matrix (the smallest square Linear) cast on the CPU (native kernels, every core) and on ``device``:
     seconds of each and how much of the result agrees."""
     import torch
@@ -140,11 +140,11 @@ def compare_on_cpu(fmt, states, reader, inventory, hessians, method: str, device
     name = min((n for n, (s, linear) in inventory.items() if linear and s[0] == s[1]),
                key=lambda n: inventory[n][0][0])
     w = reader.get(f"{name}.weight").float()
-    h = hessians[w.shape[1]] if method == "gptq" else None
+    h = hessians[w.shape[1]] if algorithm == "gptq" else None
     runs = {}
     for key, where in (("cpu", torch.device("cpu")), ("device", device)):
         t0 = time.perf_counter()
-        packed, master = ptq.cast(fmt, w.to(where), method=method,
+        packed, master = ptq.cast(fmt, w.to(where), algorithm=algorithm,
                                   fitted={k: v.to(where) for k, v in states[name].items()},
                                   hessian=None if h is None else h.to(where))
         if where.type == "cuda":

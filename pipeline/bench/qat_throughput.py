@@ -126,7 +126,7 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
     states = check_states(fmt, fmt.load_states(state_file), state_file)
     train_set, _ = split_heldout(load_examples("data/teacher", token_ids(load_config(teacher_p.source))), heldout)
     calibration = Calibration(CALIBRATION if Path(CALIBRATION).exists() else None)
-    start = lambda name, w: ptq.start(fmt, w, method="gptq", hessian=calibration.get(name))  # noqa: E731
+    start = lambda name, w: ptq.start(fmt, w, algorithm="gptq", hessian=calibration.get(name))  # noqa: E731
     processor = load_processor(teacher_p.source)
     dtype = dtype_of(teacher_p.dtype)
     teacher = load_model(teacher_p.source, dtype).requires_grad_(False)

@@ -155,8 +155,7 @@ def _torch_speed(spec: dict) -> dict:
     prompt = generate.random_prompt(spec["prompt_tokens"], vocab)
     res = runtime.hf_generate(model, {"input_ids": prompt}, spec["new_tokens"])
     return {"prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens_per_s": res.decode_tokens_per_s,
-            "new_tokens": res.new_tokens, "load_s": load_s, "warmup_s": warmup_s,
-            "peak_rss_mb": machine.peak_rss_mb()}
+            "new_tokens": res.new_tokens, "load_s": load_s, "warmup_s": warmup_s, "peak_rss_mb": machine.peak_rss_mb()}
 
 
 def child(spec: dict) -> dict:
@@ -228,9 +227,10 @@ def packed_models(root: str | Path, teacher_config) -> tuple[list[dict], list[st
                          f"hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')})")
             continue
         fmt, method = meta.get("format", path.parent.parent.name), path.parent.name
+        cast = json.loads(meta.get("pack_params") or meta.get("pack_command") or "{}")
         found.append({"name": f"ours {path.parent.parent.name} {method}", "impl": "ours", "format": fmt,
                       "method": method, "path": str(path), "rotate": meta.get("rotate", "none"),
-                      "cast": json.loads(meta.get("pack_params") or meta.get("pack_command") or "{}").get("method")})
+                      "cast": cast.get("algorithm", cast.get("method"))})  # "method": packed before the rename
     return found, notes
 
 

@@ -7,8 +7,8 @@ from pipeline import ptq
 from pipeline.formats import SUBJECT
 from pipeline.params import defaults
 
-DEFAULT_METHOD = defaults(ptq.PackParams, "pack").method
-"""The pipeline's post-training method (``pack.method`` in params.yaml)."""
+DEFAULT_METHOD = defaults(ptq.PackParams, "pack").algorithm
+"""The pipeline's post-training method (``pack.algorithm`` in params.yaml)."""
 METHODS = ("absmax", "search", "search_w", "gptq")
 
 

@@ -38,11 +38,11 @@ def run(fmt: FormatBase, params_path: str, teacher_data: str) -> None:
     train_set, _ = split_heldout(load_examples(teacher_data, vocab), heldout)
     corpus = corpus_examples(p, teacher.dir, len(train_set) + heldout)
     train_set += corpus
-    # qat.init ptq starts from stage direct-cast's cast by pack.method; the table refit weighs input channels
+    # qat.init ptq starts from stage direct-cast's cast by pack.algorithm; the table refit weighs input channels
     # by the calibration's diagonal when there is one
     pack = params.load(PackParams, "pack", params_path)
-    method, plan = pack.method, Precision(fmt, pack.precision)
-    cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, method) if p.init == "ptq" else None
+    algorithm, plan = pack.algorithm, Precision(fmt, pack.precision)
+    cast = DirectCast(f"models/direct-cast/{fmt.name}", fmt, algorithm) if p.init == "ptq" else None
     calibration = Calibration(CALIBRATION if p.refit_table and Path(CALIBRATION).exists() else None)
 
     def importance(name):

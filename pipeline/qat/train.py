@@ -53,7 +53,7 @@ class QATParams:
     checkpoint_every: int = positive()
     seed: int
     threads: int = non_negative()                # torch threads (0: its default); the bytes depend on them
-    init: Literal["teacher", "ptq"]              # ptq: start from pack.method's direct cast (weights, table, scales)
+    init: Literal["teacher", "ptq"]              # ptq: start from pack.algorithm's direct cast (weights, table, scales)
     learn_scales: bool                           # the bf16 scales as trained parameters (LSQ gradient)
     scale_lr: float = positive()                 # their learning rate (on log2 of the scale); same cosine schedule
     refit_table: bool                            # S3D8: refit each centroid table on the trained weights at the end
