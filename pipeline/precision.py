@@ -22,7 +22,7 @@ import re
 from pipeline import formats
 from pipeline.formats import FormatBase
 
-KEEP = "bf16"
+KEEP = formats.BF16_BASELINE
 """The rules' name for a weight left unquantised."""
 
 

@@ -301,7 +301,7 @@ AT_11B = """## The levers at the 11B preset (configs/llama-3.2-11b-vision.yaml)
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.bench.qat_throughput", description=__doc__.splitlines()[0])
-    parser.add_argument("--format", default="s3d8")
+    parser.add_argument("--format", default=formats.SUBJECT)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--params", default="params.yaml")

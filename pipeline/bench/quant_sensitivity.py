@@ -28,7 +28,7 @@ from pipeline.toy.tasks import TOY_TASKS
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.bench.quant_sensitivity", description=__doc__.splitlines()[0])
     parser.add_argument("--teacher", default="data/toy-teacher", help="model directory (or hub id)")
-    parser.add_argument("--formats", nargs="+", default=["s3d8", "int"], choices=formats.QUANTISED)
+    parser.add_argument("--formats", nargs="+", default=[formats.SUBJECT, "int"], choices=formats.QUANTISED)
     parser.add_argument("--scales", nargs="+", type=float, default=[0.0, 0.5, 1.0, 1.5, 2.0, 3.0])
     parser.add_argument("--n", type=int, default=128, help="held-out items per toy task")
     parser.add_argument("--seed", type=int, default=0, help="fit and item seed")

@@ -18,7 +18,7 @@ PUBLISHED = [
     ("student-t + QAT", 3620, 2.71, 0.565),
     ("lloyd-max + QAT", 3459, 2.59, 0.436),
 ]
-ORDER = ["bf16", *formats.QUANTISED]
+ORDER = [formats.BF16_BASELINE, *formats.QUANTISED]
 NOISE = 0.01  # score differences below this are not read as a loss or a gain
 
 

@@ -61,7 +61,8 @@ class _Job:
 
 
 def _jobs(fmts: list[str], blind: bool) -> list[_Job]:
-    jobs = [_Job("bf16-teacher", "bf16", "teacher")] + ([_Job("bf16-teacher", "bf16", "blind")] if blind else [])
+    bf16 = formats.BF16_BASELINE
+    jobs = [_Job(f"{bf16}-teacher", bf16, "teacher")] + ([_Job(f"{bf16}-teacher", bf16, "blind")] if blind else [])
     return jobs + [_Job(f"{f}-{m}", f, m) for f in fmts for m in STUDENTS]
 
 

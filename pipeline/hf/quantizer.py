@@ -86,7 +86,7 @@ class PackedQuantConfig(QuantizationConfigMixin):
     - ``act_quant``: INT8 activations per token (the QAT forward), default true.
     """
 
-    def __init__(self, format: str = "s3d8", quant_method: str | None = None, layout: str | None = None,
+    def __init__(self, format: str = formats.SUBJECT, quant_method: str | None = None, layout: str | None = None,
                  version: str | None = None, bits_per_weight: float | None = None,
                  modules_to_not_convert: list[str] | None = None, kernel: str = "auto", decode: str = "lazy",
                  act_quant: bool = True, format_version: str | None = None, formats: dict | None = None,

@@ -299,9 +299,9 @@ def model_card(fmt: str, method: str, summary: dict, *, base_model: str, teacher
         lines += ["| model | bits/param | KL to teacher | top-1 agreement | perplexity |",
                   "| --- | --- | --- | --- | --- |"]
         lines += [f"| {n} | {m['bpp']:.2f} | {m['kl']:.4f} | {m['top1_agreement']:.3f} | {m['perplexity']:.2f} |"
-                  for n, m in models.items() if n in (key, "bf16-teacher")] + [""]
+                  for n, m in models.items() if n == key or m["method"] == "teacher"] + [""]
     elif key in models:
-        rows = [(n, m) for n, m in models.items() if n in (key, "bf16-teacher")]
+        rows = [(n, m) for n, m in models.items() if n == key or m["method"] == "teacher"]
         tasks = list(models[key]["scores"])
         lines += ["| model | bits/param | KL to teacher | " + " | ".join(tasks) + " | average |",
                   "| --- | --- | --- | " + " | ".join("---" for _ in tasks) + " | --- |"]
