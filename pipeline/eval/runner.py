@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from PIL import Image
+import transformers
 from transformers import GenerationConfig
 
 from pipeline.chat import chat_prompt
@@ -186,6 +187,6 @@ def evaluate(
         "max_new_tokens": caps,
         "seconds": seconds,
         "decoding": "greedy",
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     return EvalResult(scores, pa.Table.from_pylist(rows, schema=schema), meta, cleaned)
