@@ -79,11 +79,18 @@ def _example(path: Path, row: dict, vocab_size: int | None) -> Example:
 
 
 def split_heldout(examples: list[Example], heldout: int) -> tuple[list[Example], list[Example]]:
-    """The last ``heldout`` prompts (by index) are never trained on; evaluation measures KL on them."""
+    """``(training, held-out)``: the last ``heldout`` prompts (by index) are never trained on, and evaluation measures
+    KL on those of them whose prompt (image and tokens) no training answer also has: a prompt drawn twice from the
+    pool is answered from the same distribution both times, so scoring it would score a prompt the student was trained
+    on."""
     if heldout < 0 or heldout >= len(examples):
         raise ValueError(f"parameter heldout_prompts={heldout}: must be in [0, {len(examples)}) "
                          f"for {len(examples)} teacher answers")
-    return (examples[:-heldout], examples[-heldout:]) if heldout else (examples, [])
+    if not heldout:
+        return examples, []
+    train = examples[:-heldout]
+    seen = {(e.image_ref, e.prompt_ids) for e in train}
+    return train, [e for e in examples[-heldout:] if (e.image_ref, e.prompt_ids) not in seen]
 
 
 def text_examples(windows: list[list[int]], first_index: int) -> list[Example]:

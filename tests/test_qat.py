@@ -170,6 +170,21 @@ def test_qat_init_is_checked():
         params.defaults(QATParams, "qat", init="random")
 
 
+def test_held_out_answers_leave_out_prompts_the_training_answers_also_have():
+    """A prompt drawn twice from the pool (once among the training answers, once among the last ``heldout``) is not
+    scored: the student was trained on the teacher's distribution for that very prompt."""
+    from pipeline.answers import Example, split_heldout
+
+    ex = [Example(i, ref, ids, (9, i)) for i, (ref, ids) in enumerate(
+        [(None, (1, 2)), ("img-a", (3,)), (None, (4,)), (None, (1, 2)), ("img-b", (3,)), (None, (5,))])]
+    train, held = split_heldout(ex, 3)
+    assert train == ex[:3]
+    assert [e.index for e in held] == [4, 5]           # prompt 3 repeats prompt 0; 4 has another image than 1
+    assert split_heldout(ex, 0) == (ex, [])
+    with pytest.raises(ValueError, match="heldout_prompts=6"):
+        split_heldout(ex, 6)
+
+
 def test_group_by_length_batches_pad_less_and_still_visit_every_example_once_an_epoch():
     """qat.group_by_length: each epoch is the same permutation's examples, megabatches sorted longest first; the
     plain draw is unchanged (a pure function of step and seed, as resuming needs)."""
