@@ -55,16 +55,17 @@ def pack_model(args) -> dict:
 
     import torch
 
-    from pipeline import direct_cast, formats
+    from pipeline import formats
+    from pipeline.cast import direct as direct_cast
     from pipeline.chat import tokenizer_of
     from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.io import atomic_dir
     from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names
     from pipeline.packed.file import write_packed
     from pipeline.precision import Precision, parse_rules
-    from pipeline.rotate import auto_rotation, rotate_llama
+    from pipeline.cast.rotate import auto_rotation, rotate_llama
     from pipeline.stage import progress
-    from pipeline.teacher_source import local_dir
+    from pipeline.teacher.source import local_dir
 
     fmt = formats.comparison(args.format, "--format")
     plan = Precision(fmt, parse_rules(args.precision))

@@ -46,10 +46,10 @@ NOT_FOLLOWED = {
                              "the Hugging Face registration, run when transformers is imported: it lets "
                              "from_pretrained load packed directories and changes no stage's result; a stage that "
                              "writes or loads packed directories imports pipeline.hf's modules itself"),
-    "pipeline/params.py": ({"pipeline.answers", "pipeline.bench", "pipeline.calibrate", "pipeline.eval.suite",
-                            "pipeline.fit", "pipeline.formats", "pipeline.processes", "pipeline.ptq",
-                            "pipeline.qat.train", "pipeline.sample", "pipeline.teacher_generate",
-                            "pipeline.teacher_source", "pipeline.toy.settings"},
+    "pipeline/params.py": ({"pipeline.bench", "pipeline.cast.calibrate", "pipeline.cast.fit", "pipeline.cast.ptq",
+                            "pipeline.eval.suite", "pipeline.formats", "pipeline.processes", "pipeline.qat.train",
+                            "pipeline.teacher.answers", "pipeline.teacher.generate_answers",
+                            "pipeline.teacher.sample", "pipeline.teacher.source", "pipeline.toy.settings"},
                            "every section's schema, to validate the whole params.yaml before a stage works: a "
                            "stage's results depend on its own section's values (its params deps) and the code that "
                            "reads them, which the stage imports itself, not on the other sections' checks"),

@@ -225,7 +225,7 @@ def _local_config(source: str, why: str = "") -> Path:
     if (path / "config.json").is_file():
         return path / "config.json"
     hub = (source.count("/") == 1 and not path.exists() and not source.startswith((".", "/"))
-           and not path.parent.is_dir())                # as pipeline.teacher_source.local_dir tells a hub id from a path
+           and not path.parent.is_dir())     # as pipeline.teacher.source.local_dir tells a hub id from a path
     if hub:
         from huggingface_hub import try_to_load_from_cache
 

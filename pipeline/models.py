@@ -21,7 +21,7 @@ from torch import nn
 
 from pipeline.packed.checkpoint import module_to_checkpoint_names
 from pipeline.recipe import quantised_modules
-from pipeline.teacher_source import local_dir
+from pipeline.teacher.source import local_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

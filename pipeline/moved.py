@@ -1,9 +1,10 @@
 """Where the modules of the flat ``pipeline/`` of 0.1 live now (issue 39's move), so that code written against the
 old names keeps working: ``import pipeline.runtime_models`` gives :mod:`pipeline.runtime.models` itself (one module
 object under both names), with a ``DeprecationWarning`` that names the new home. The project's own code uses only
-the new names (``tests/test_house.py`` checks). ``pipeline.packed``, ``pipeline.hf``, ``pipeline.runtime`` and
-``pipeline.sqt`` became packages under the same names; each still answers the names the module had
-(:func:`package_getattr`), and ``python -m pipeline.hf | pipeline.runtime | pipeline.sqt`` run as before.
+the new names (``tests/test_house.py`` checks). ``pipeline.packed``, ``pipeline.hf``, ``pipeline.runtime``,
+``pipeline.sqt`` and ``pipeline.teacher`` became packages under the same names; each still answers the names the
+module had (:func:`package_getattr`), and ``python -m pipeline.hf | pipeline.runtime | pipeline.sqt |
+pipeline.teacher`` run as before.
 """
 
 from __future__ import annotations
@@ -27,10 +28,25 @@ MOVED = {
     "pipeline.sqt_layout": "pipeline.sqt.container",
     "pipeline.sqt_read": "pipeline.sqt.read",
     "pipeline.report": "pipeline.eval.report",
-    "pipeline.generate": "pipeline.teacher_generate",
+    "pipeline.generate": "pipeline.teacher.generate_answers",
     "pipeline.eval.prompts": "pipeline.eval.task_prompts",
     "pipeline.toy.teacher": "pipeline.toy.build",
     "pipeline.bench.report": "pipeline.bench.kernels_report",
+    "pipeline.ptq": "pipeline.cast.ptq",
+    "pipeline.calibrate": "pipeline.cast.calibrate",
+    "pipeline.direct_cast": "pipeline.cast.direct",
+    "pipeline.direct_cast_run": "pipeline.cast.run",
+    "pipeline.sequential": "pipeline.cast.sequential",
+    "pipeline.rotate": "pipeline.cast.rotate",
+    "pipeline.fit": "pipeline.cast.fit",
+    "pipeline.teacher_source": "pipeline.teacher.source",
+    "pipeline.teacher_generate": "pipeline.teacher.generate_answers",
+    "pipeline.teacher_logits": "pipeline.teacher.logits",
+    "pipeline.gguf_import": "pipeline.teacher.gguf_import",
+    "pipeline.answers": "pipeline.teacher.answers",
+    "pipeline.prompts": "pipeline.teacher.prompts",
+    "pipeline.sample": "pipeline.teacher.sample",
+    "pipeline.diversity": "pipeline.teacher.diversity",
 }
 """Old module name -> the module that now holds the same code."""
 
@@ -38,6 +54,7 @@ PACKAGES = {
     "pipeline.packed": ("pipeline.packed.file", frozenset(['PACKED_VERSION', 'PackedWeight', 'bits_two_ways', 'is_vocabulary', 'load_packed_model', 'packed_format', 'plan_packed', 'read_metadata', 'write_packed'])),
     "pipeline.hf": ("pipeline.hf.quantizer", frozenset(['KERNELS', 'PackedHfQuantizer', 'PackedQuantConfig', 'register', 'resolve_kernel'])),
     "pipeline.runtime": ("pipeline.runtime.generation", frozenset(['DEFAULT_IMPL', 'IMPLS', 'Result', 'Sampling', 'THREADS_HELP', 'TextStream', 'available_cpus', 'begin', 'build_parser', 'check_threads', 'context_length', 'eos_ids', 'generate', 'hf_generate', 'lean_generate', 'load', 'main', 'packed_file', 'pick', 'stop_tokens'])),
+    "pipeline.teacher": ("pipeline.teacher.importer", frozenset(['import_teacher', 'main'])),
     "pipeline.sqt": ("pipeline.sqt.write", frozenset(['ENGINE_DTYPES', 'export', 'main', 'resolve_model', 'standard_name'])),
 }
 """A package that replaced a module of the same name -> (the module that holds that module's code now, the names

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from pipeline.direct_cast import DirectCast
-from pipeline.fit import check_states
+from pipeline.cast.direct import DirectCast
+from pipeline.cast.fit import check_states
 from pipeline.formats import FormatBase
 from pipeline.formats.base import check_weight
 from pipeline.hf.write import write_model_dir
@@ -16,10 +16,10 @@ from pipeline.io import atomic_dir
 from pipeline.models import dtype_of, load_config
 from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.precision import Precision
-from pipeline.ptq import PackParams
+from pipeline.cast.ptq import PackParams
 from pipeline.qat.api import convert
 from pipeline.stage import console, progress, versions
-from pipeline.teacher_source import TeacherParams, local_dir
+from pipeline.teacher.source import TeacherParams, local_dir
 
 
 def pack_models(fmt: FormatBase, p: PackParams, teacher: TeacherParams) -> dict:

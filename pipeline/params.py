@@ -26,18 +26,18 @@ def sections() -> dict[str, Any]:
     checked value. Imported here, when a file is validated, not at the top: the schemas live beside the code that
     uses them, and a stage's results depend on its own section's values (its params deps in dvc.yaml), not on the
     other sections' schemas (``pipeline.depgraph.NOT_FOLLOWED`` says the same to the graph)."""
-    from pipeline.answers import check_heldout
+    from pipeline.teacher.answers import check_heldout
     from pipeline.bench import BenchParams
-    from pipeline.calibrate import CalibrateParams
+    from pipeline.cast.calibrate import CalibrateParams
     from pipeline.eval.suite import EvalParams
-    from pipeline.fit import FitParams
+    from pipeline.cast.fit import FitParams
     from pipeline.formats import check_names
     from pipeline.processes import LaunchParams
-    from pipeline.ptq import PackParams
+    from pipeline.cast.ptq import PackParams
     from pipeline.qat.train import QATParams
-    from pipeline.sample import SampleParams
-    from pipeline.teacher_generate import GenerateParams
-    from pipeline.teacher_source import TeacherParams
+    from pipeline.teacher.sample import SampleParams
+    from pipeline.teacher.generate_answers import GenerateParams
+    from pipeline.teacher.source import TeacherParams
     from pipeline.toy.settings import ToyTeacherParams
 
     return {"toy_teacher": ToyTeacherParams, "teacher": TeacherParams, "formats": check_names,

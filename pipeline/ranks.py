@@ -117,6 +117,6 @@ def planned_waits(params: dict, counts: dict) -> list[str]:
 
 def teacher_bytes(source: str) -> int:
     """The bytes of the teacher's weight files (what loading it reads)."""
-    from pipeline.teacher_source import local_dir
+    from pipeline.teacher.source import local_dir
 
     return sum(f.stat().st_size for f in local_dir(source).glob("*.safetensors"))

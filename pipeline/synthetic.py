@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from pipeline import formats as formats_registry
-from pipeline import gguf_import
+from pipeline.teacher import gguf_import
 from pipeline.packed import layout
 from pipeline.formats import FormatBase
 from pipeline.packed.safetensors_io import StreamingWriter

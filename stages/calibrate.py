@@ -1,5 +1,5 @@
 """DVC stage calibrate: ``X^T X`` of the teacher's inputs to every quantised Linear, for the post-training
-methods of pack-safetensors (GPTQ; ``pipeline/calibrate.py``).
+methods of pack-safetensors (GPTQ; ``pipeline/cast/calibrate.py``).
 
     python stages/calibrate.py
 
@@ -17,7 +17,7 @@ from dataclasses import asdict
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import pipeline.toy  # noqa: F401  (the `toy` image pool the teacher's answers refer to)
 from pipeline import params
-from pipeline.calibrate import CalibrateParams, calibrate
+from pipeline.cast.calibrate import CalibrateParams, calibrate
 from pipeline.stage import console, progress, run_log, set_threads, stage_errors, versions
 
 OUT = "data/calibration/hessians.safetensors"

@@ -4,10 +4,10 @@
 
 Starts from fit-centroids' fitted state of each weight (``data/centroids/<format>.safetensors``); ``gptq`` reads
 the calibrate stage's ``X^T X``, or with ``calibrate.sequential`` runs the teacher over the calibration text itself and
-casts the layers in order (``pipeline.sequential``). Writes ``models/direct-cast/<format>/`` (``pipeline/direct_cast.py``): the packed
-tensors pack-safetensors writes and the float32 start of QAT, one file per decoder layer, the layers dealt to the
-processes, each on its GPU where it has one (else the CPU; the index records which: GPU arithmetic can round a
-few codes differently). A killed run resumes from the layers it finished (``checkpoints/direct-cast/<format>/``).
+casts the layers in order (``pipeline.cast.sequential``). Writes ``models/direct-cast/<format>/``
+(``pipeline/cast/direct.py``): the packed tensors pack-safetensors writes and the float32 start of QAT, one file per
+decoder layer, the layers dealt to the processes, each on its GPU where it has one (else the CPU; the index records
+which: GPU arithmetic can round a few codes differently). A killed run resumes from the layers it finished (``checkpoints/direct-cast/<format>/``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline import formats, params
-from pipeline.direct_cast_run import run
+from pipeline.cast.run import run
 from pipeline.processes import run_stage
 from pipeline.stage import stage_errors
 

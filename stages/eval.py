@@ -27,7 +27,7 @@ from pipeline.eval.suite import EvalParams, run
 from pipeline.eval.report import write_reports
 from pipeline.processes import run_stage
 from pipeline.stage import console, run_log, set_threads, stage_errors
-from pipeline.teacher_source import TeacherParams
+from pipeline.teacher.source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,9 +21,9 @@ import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same 
 from pipeline import formats, params
 from pipeline.io import write_json
 from pipeline.pack_run import pack_models
-from pipeline.ptq import PackParams
+from pipeline.cast.ptq import PackParams
 from pipeline.stage import stage_errors
-from pipeline.teacher_source import TeacherParams
+from pipeline.teacher.source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,9 +14,9 @@ import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same 
 import pipeline.toy  # noqa: F401  (the `toy` image pool)
 from pipeline import params
 from pipeline.io import write_json
-from pipeline.sample import SampleParams, sample_prompts
+from pipeline.teacher.sample import SampleParams, sample_prompts
 from pipeline.stage import console, stage_errors
-from pipeline.teacher_source import TeacherParams
+from pipeline.teacher.source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

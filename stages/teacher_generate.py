@@ -4,7 +4,7 @@
 
 One output shard per input shard in ``data/teacher/``. Finished shards are kept in
 ``checkpoints/teacher-generate/`` with a fingerprint of their input, the parameters and the teacher, so a
-killed run resumes where it stopped and ends with the same bytes (``pipeline.teacher_generate``). Diversity
+killed run resumes where it stopped and ends with the same bytes (``pipeline.teacher.generate_answers``). Diversity
 metrics go to ``reports/teacher_generate.json``.
 """
 
@@ -17,11 +17,11 @@ import time
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import pipeline.toy  # noqa: F401  (the `toy` image pool the sampled prompts refer to)
 from pipeline import params
-from pipeline.teacher_generate import GenerateParams, run
+from pipeline.teacher.generate_answers import GenerateParams, run
 from pipeline.io import write_json
 from pipeline.processes import run_stage
 from pipeline.stage import console, run_log, set_threads, stage_errors
-from pipeline.teacher_source import TeacherParams
+from pipeline.teacher.source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ Reads ``teacher.source`` (a local Hugging Face directory, a hub id, a ``.gguf`` 
 ``gguf:<pip distribution>:<file>``) and writes ``teacher.dir`` (config, ``model.safetensors`` in bf16, tokenizer
 and chat template, generation config, ``teacher_import.json`` naming the source, its package version and hash),
 replaced whole. ``teacher.rotate`` (orthogonal | hadamard) rotates a text Llama's residual stream on the way
-(``pipeline.rotate``: the same function, in float32; set ``teacher.dtype: float32`` so that stages compute with it
+(``pipeline.cast.rotate``: the same function, in float32; set ``teacher.dtype: float32`` so that stages compute with it
 unrounded). The same as ``python -m pipeline.teacher import SOURCE OUT_DIR [--rotate KIND]``.
 """
 
@@ -17,8 +17,8 @@ import argparse
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline import params
 from pipeline.stage import console, stage_errors
-from pipeline.teacher import import_teacher
-from pipeline.teacher_source import TeacherParams
+from pipeline.teacher.importer import import_teacher
+from pipeline.teacher.source import TeacherParams
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,8 +37,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 def test_a_pass_never_holds_more_than_the_budget():
-    from pipeline import ptq
-    from pipeline.calibrate import passes, peak_bytes
+    from pipeline.cast import ptq
+    from pipeline.cast.calibrate import passes, peak_bytes
 
     torch.manual_seed(0)
     widths = [256, 384, 256, 320, 192]

@@ -91,11 +91,11 @@ def test_generate_gives_hf_generate_tokens(toy_packed, examples, capsys, case, i
     ids, want, stopped, processor = hf_reference(toy_packed, prompt, image, 24)
     assert (ids[0] == processor.tokenizer.bos_token_id).sum() == 1, "one BOS, as eval and teacher-generate give"
     # the runtime's prompt is the same ids (the CLI once fed two BOS tokens with an image)
-    from pipeline.runtime.generation import _inputs, _processor_for
+    from pipeline.runtime.generation import _inputs, processor_for
     from pipeline.runtime.models import read_header
 
     file = toy_packed / "model.safetensors"
-    got, _ = _inputs("mllama", _processor_for(file, read_header(file)[1], None), prompt,
+    got, _ = _inputs("mllama", processor_for(file, read_header(file)[1], None), prompt,
                      None if image is None else str(image), 0)
     assert torch.equal(got["input_ids"], ids)
     args = ["generate", str(toy_packed), "--prompt", prompt, "--max-new-tokens", "24", "--threads", "1",

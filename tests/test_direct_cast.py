@@ -39,7 +39,7 @@ def test_a_crash_in_the_final_move_keeps_every_finished_file(reference, tmp_path
 
 
 def test_the_fingerprint_covers_weights_calibration_and_code(reference, tmp_path, monkeypatch):
-    from pipeline.direct_cast import cast_fingerprint, code_files
+    from pipeline.cast.direct import cast_fingerprint, code_files
 
     ref, teacher = reference
     monkeypatch.chdir(tmp_path)
@@ -83,7 +83,7 @@ def test_the_fingerprint_lies_beside_the_group_file_not_in_it(tmp_path):
     import torch
     from safetensors import safe_open
 
-    from pipeline.direct_cast import finished, write_group
+    from pipeline.cast.direct import finished, write_group
 
     path = tmp_path / "rest.safetensors"
     tensors = {"a.weight.packed": torch.arange(6, dtype=torch.uint8)}

@@ -16,7 +16,7 @@ import torch
 import pipeline  # noqa: F401  (registers the packed formats with transformers)
 from pipeline import formats
 from pipeline.packed.checkpoint import CheckpointReader
-from pipeline.fit import fit_model
+from pipeline.cast.fit import fit_model
 from pipeline.hf.quantizer import PackedQuantConfig
 from pipeline.hf.config import INDEX_NAME, MODEL_TYPE
 from pipeline.hf.write import fill_card, weight_bytes, write_model_dir

@@ -81,11 +81,11 @@ def test_no_import_loop_between_project_modules():
     assert cycles(graph) == []
     # the test sees a loop hidden behind importlib (the formats <-> ptq loop once was one)
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
-    src = "import importlib\ndef f():\n    return importlib.import_module('pipeline.ptq')\n"
+    src = "import importlib\ndef f():\n    return importlib.import_module('pipeline.cast.ptq')\n"
     path = ROOT / "tests" / "_house_probe.py"
     try:
         path.write_text(src)
-        assert edges("pipeline.formats", path, known) == {"pipeline.ptq"}
+        assert edges("pipeline.formats", path, known) == {"pipeline.cast.ptq"}
     finally:
         path.unlink()
 
@@ -95,14 +95,14 @@ def test_formats_import_nothing_that_uses_them():
     for name, path in known.items():
         if name == "pipeline.formats" or name.startswith("pipeline.formats."):
             outside = {m for m in edges(name, path, known) if not m.startswith("pipeline.formats")}
-            assert not {m for m in outside if m.startswith(("pipeline.ptq", "pipeline.qat", "pipeline.packed.file",
-                                                           "pipeline.direct_cast"))}, (name, outside)
+            used_by = ("pipeline.cast", "pipeline.qat", "pipeline.packed.file")
+            assert not {m for m in outside if m.startswith(used_by)}, (name, outside)
 
 
 def test_no_branch_on_a_format_name_in_the_methods_or_training():
     names = "|".join(re.escape(n) for n in formats.names())
     pattern = re.compile(rf"(\.name|\bname|\bfmt)\s*==\s*(s3d8\.NAME|[\"']({names})[\"'])")
-    files = [ROOT / "pipeline" / "ptq.py", ROOT / "pipeline" / "direct_cast.py",
+    files = [ROOT / "pipeline" / "cast" / "ptq.py", ROOT / "pipeline" / "cast" / "direct.py",
              *sorted((ROOT / "pipeline" / "qat").glob("*.py")), *sorted((ROOT / "stages").glob("*.py"))]
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(line)]
@@ -181,5 +181,5 @@ def test_old_module_names_still_import(recwarn):
         assert "no_such_name" in str(e)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
-    for package in ("hf", "runtime", "sqt"):
+    for package in ("hf", "runtime", "sqt", "teacher"):
         assert (ROOT / "pipeline" / package / "__main__.py").is_file()

@@ -14,13 +14,13 @@ pytest.importorskip("gguf")
 
 from pipeline import formats  # noqa: E402
 from pipeline.packed.checkpoint import CheckpointReader  # noqa: E402
-from pipeline.fit import fit_model  # noqa: E402
+from pipeline.cast.fit import fit_model  # noqa: E402
 from pipeline.models import (checkpoint_names, load_config, load_model, load_processor, meta_model,  # noqa: E402
                              quantised_weight_names, states_by_module)
 from pipeline.packed.file import load_packed_model, write_packed  # noqa: E402
 from pipeline.packed.modules import PackedEmbedding, PackedLinear  # noqa: E402
 from pipeline.qat.api import prepare  # noqa: E402
-from pipeline.teacher import import_teacher  # noqa: E402
+from pipeline.teacher.importer import import_teacher  # noqa: E402
 from tests.test_teacher_import import tiny_llama, write_tiny_llama_gguf  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -340,7 +340,8 @@ def test_wheel_installs_and_runs_with_only_its_core_dependencies(wheel, tmp_path
     work.mkdir()
     s3d8 = tmp_path / "venv" / "bin" / "s3d8"
     assert "export-sqt" in _run([s3d8, "--help"], cwd=work).stdout
-    probe = _run([py, "-c", "import pipeline, pipeline.native as n, pipeline.prompts as p, importlib.resources as r;"
+    probe = _run([py, "-c", "import pipeline, pipeline.native as n, pipeline.teacher.prompts as p;"
+                  "import importlib.resources as r;"
                   "import pipeline.hf.quantizer, pipeline.runtime.generation, pipeline.packed.file;"
                   "print(pipeline.__file__); print(n.variant());"
                   "pool = r.files('pipeline') / 'data' / 'prompt_pool.yaml';"

@@ -18,7 +18,7 @@ from tests.test_real_model import teacher, bf16_gguf  # noqa: E402,F401  (fixtur
 def _pack(teacher_dir, model, root):
     from pipeline import formats
     from pipeline.packed.checkpoint import CheckpointReader
-    from pipeline.fit import fit_model
+    from pipeline.cast.fit import fit_model
     from pipeline.packed.file import write_packed
 
     fmt = formats.get("s3d8")

@@ -1,5 +1,5 @@
 """The precision plan (a format per weight: ``pipeline.precision``), INT8's packed layout, and the sequential cast
-(``pipeline.sequential``): each matrix's X^T X taken from the model whose earlier matrices are already cast."""
+(``pipeline.cast.sequential``): each matrix's X^T X taken from the model whose earlier matrices are already cast."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import formats, ptq, sequential
+from pipeline import formats
+from pipeline.cast import ptq, sequential
 from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.models import load_model, meta_model, quantised_weight_names, states_by_module
 from pipeline.packed.file import load_packed_model, read_metadata, write_packed
@@ -203,7 +204,7 @@ def test_sequential_gptq_beats_the_teachers_hessians_on_a_tiny_llama():
 @pytest.mark.parametrize("kind", ["orthogonal", "hadamard"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_rotated_llama_computes_the_same_logits(kind, tied):
-    from pipeline.rotate import rotate_llama, rotation
+    from pipeline.cast.rotate import rotate_llama, rotation
 
     q = rotation(kind, 64, seed=3)
     assert torch.allclose(q @ q.T, torch.eye(64, dtype=torch.float64), atol=1e-12)
@@ -223,7 +224,7 @@ def test_rotated_llama_computes_the_same_logits(kind, tied):
 def test_hadamard_matrices_of_the_orders_models_use(n):
     """Sylvester, Paley I (12, 20), Paley II (28) and their Kronecker products (48, 576 = 4 x 12 x 12 of SmolLM2,
     1280 = 64 x 20 of Mllama's vision tower): entries +-1, H H^T = n I; powers of 2 as Sylvester alone builds them."""
-    from pipeline.rotate import hadamard, rotation
+    from pipeline.cast.rotate import hadamard, rotation
 
     h = hadamard(n)
     assert torch.equal(h.abs(), torch.ones(n, n, dtype=torch.float64))
@@ -243,7 +244,7 @@ def test_s3d8_pack_rotates_by_hadamard_where_it_can():
     orthogonal for the other widths, nothing for other models."""
     from transformers import LlamaConfig, MllamaConfig, ViTConfig
 
-    from pipeline.rotate import auto_rotation
+    from pipeline.cast.rotate import auto_rotation
 
     assert auto_rotation(LlamaConfig(hidden_size=576)) == "hadamard"
     assert auto_rotation(LlamaConfig(hidden_size=18, num_attention_heads=1, num_key_value_heads=1)) == "orthogonal"
@@ -252,7 +253,7 @@ def test_s3d8_pack_rotates_by_hadamard_where_it_can():
 
 
 def test_rotation_refuses_what_it_cannot_do():
-    from pipeline.rotate import rotate_llama, rotation
+    from pipeline.cast.rotate import rotate_llama, rotation
 
     with pytest.raises(ValueError, match="no Hadamard matrix of order 100"):
         rotation("hadamard", 100)
@@ -266,7 +267,7 @@ def test_rotation_refuses_what_it_cannot_do():
 def test_rotated_mllama_computes_the_same_logits_with_an_image():
     """Mllama's language model rotated (cross-attention layers included), its vision tower, projector and the
     cross-attention keys and values (which read the image, not the stream) left as they are: the same logits."""
-    from pipeline.rotate import rotate_llama
+    from pipeline.cast.rotate import rotate_llama
     from tests.conftest import tiny_inputs, tiny_mllama
 
     model, rotated = tiny_mllama().float(), tiny_mllama().float()
@@ -314,7 +315,7 @@ def test_sequential_cast_walks_mllamas_vision_and_text_layers():
 def test_self_generated_calibration_text_is_seeded_and_full_length():
     from types import SimpleNamespace
 
-    from pipeline.calibrate import CalibrateParams, calibration_inputs
+    from pipeline.cast.calibrate import CalibrateParams, calibration_inputs
 
     model = tiny_llama(tied=True)
     tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
@@ -341,7 +342,7 @@ def test_joined_calibration_sources_read_each_in_turn(tmp_path):
     changes with either part; a bad part is named."""
     from types import SimpleNamespace
 
-    from pipeline.calibrate import CalibrateParams, calibration_fingerprint, calibration_inputs
+    from pipeline.cast.calibrate import CalibrateParams, calibration_fingerprint, calibration_inputs
 
     model = tiny_llama(tied=True)
     tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)

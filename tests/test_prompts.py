@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.prompts import SamplerParams, load_pool, sample
+from pipeline.teacher.prompts import SamplerParams, load_pool, sample
 from pipeline.params import defaults
 
 

@@ -1,11 +1,12 @@
-"""Post-training algorithms (pipeline/ptq.py): bit-exact casts, scale search, importance, GPTQ."""
+"""Post-training algorithms (pipeline/cast/ptq.py): bit-exact casts, scale search, importance, GPTQ."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline import formats, ptq
+from pipeline import formats
+from pipeline.cast import ptq
 from pipeline.formats import s3d8, scalar
 
 

@@ -138,7 +138,7 @@ def test_prepare_with_scales_adds_a_parameter_outside_the_checkpoint_layout():
 def test_ptq_start_is_the_direct_cast(fmt):
     """qat.init ptq: the student's first forward weight is exactly the direct cast the packer writes (gptq on a
     Hessian), with the learned scale starting at that cast's scale."""
-    from pipeline import ptq
+    from pipeline.cast import ptq
     from pipeline.qat.modules import learned_scale
     from pipeline.params import defaults
     from pipeline.qat.train import QATParams, quantise_student
@@ -173,7 +173,7 @@ def test_qat_init_is_checked():
 def test_held_out_answers_leave_out_prompts_the_training_answers_also_have():
     """A prompt drawn twice from the pool (once among the training answers, once among the last ``heldout``) is not
     scored: the student was trained on the teacher's distribution for that very prompt."""
-    from pipeline.answers import Example, split_heldout
+    from pipeline.teacher.answers import Example, split_heldout
 
     ex = [Example(i, ref, ids, (9, i)) for i, (ref, ids) in enumerate(
         [(None, (1, 2)), ("img-a", (3,)), (None, (4,)), (None, (1, 2)), ("img-b", (3,)), (None, (5,))])]
@@ -188,7 +188,7 @@ def test_held_out_answers_leave_out_prompts_the_training_answers_also_have():
 def test_group_by_length_batches_pad_less_and_still_visit_every_example_once_an_epoch():
     """qat.group_by_length: each epoch is the same permutation's examples, megabatches sorted longest first; the
     plain draw is unchanged (a pure function of step and seed, as resuming needs)."""
-    from pipeline.answers import GROUP_BY_LENGTH_BATCHES, batch_indices
+    from pipeline.teacher.answers import GROUP_BY_LENGTH_BATCHES, batch_indices
 
     n, bs = 1000, 8
     lengths = [192 if i % 4 == 0 else 40 + (i * 37) % 90 for i in range(n)]        # windows beside answers
@@ -212,7 +212,7 @@ def _toy_examples(n: int, seed: int = 0):
     """Training sequences for the committed toy teacher: prompts with its image token, varied lengths."""
     import random
 
-    from pipeline.answers import Example
+    from pipeline.teacher.answers import Example
 
     rng = random.Random(seed)
     return [Example(i, f"toy:{i}:0", (0, 1202, *(rng.randrange(10, 1200) for _ in range(rng.randrange(3, 12)))),
@@ -229,9 +229,9 @@ def _toy(dtype):
 def test_cached_teacher_logits_give_the_per_step_kl_and_gradients():
     """qat.teacher_logits cache: the rows computed once (other batches, other padding) are the per-step
     forward's to bf16 rounding, and the KL and the student's gradients agree to 1e-3 relative."""
-    from pipeline.answers import collate
+    from pipeline.teacher.answers import collate
     from pipeline.divergence import kl_sum
-    from pipeline.teacher_logits import TeacherLogits
+    from pipeline.teacher.logits import TeacherLogits
 
     teacher, processor = _toy(torch.bfloat16)
     examples = _toy_examples(6)
@@ -262,9 +262,9 @@ def test_cached_teacher_logits_give_the_per_step_kl_and_gradients():
 @pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])   # 2: ~1 s alone, 30 s on a busy core
 def test_qat_steps_give_the_same_bytes_at_one_thread_count(threads):
     """Same parameters and seeds, same thread count: the same student bytes (a fixed reduction order)."""
-    from pipeline.answers import collate
+    from pipeline.teacher.answers import collate
     from pipeline.divergence import kl_sum
-    from pipeline.teacher_logits import TeacherLogits
+    from pipeline.teacher.logits import TeacherLogits
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -316,7 +316,7 @@ def test_tied_modules_get_one_post_training_start():
     instead of its direct cast's 1.2)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline import ptq
+    from pipeline.cast import ptq
     from pipeline.models import quantised_weight_names
     from pipeline.params import defaults
     from pipeline.qat.train import QATParams, quantise_student

@@ -99,7 +99,7 @@ def test_teacher_generate_resumes_with_fewer_pending_shards_than_ranks(tmp_path)
     whole = {f.name: f.read_bytes() for f in (cwd / "data/teacher").glob("*.parquet")}
     assert len(whole) == 3
     os.remove(cwd / "checkpoints/teacher-generate/shard-00001.parquet")
-    slow = ("import runpy, sys, time\nimport pipeline.teacher_generate as g\nshard = g.generate_shard\n"
+    slow = ("import runpy, sys, time\nimport pipeline.teacher.generate_answers as g\nshard = g.generate_shard\n"
             "g.generate_shard = lambda *a, **k: (time.sleep(5), shard(*a, **k))[1]\n"
             f"sys.argv = ['{REPO}/stages/teacher_generate.py']\n"
             f"runpy.run_path('{REPO}/stages/teacher_generate.py', run_name='__main__')\n")

@@ -16,7 +16,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from pipeline import gguf_import  # noqa: E402
+from pipeline.teacher import gguf_import  # noqa: E402
 from pipeline.bench import llama_cpp_files as lc  # noqa: E402
 from pipeline.bench import real_model as rm  # noqa: E402
 from pipeline.bench import real_model_report as report  # noqa: E402
@@ -30,7 +30,7 @@ ROW_KEYS = {"name", "impl", "format", "method", "bits_per_weight", "file_bytes",
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
     """A tiny Llama as the source GGUF (F32) and its imported bf16 teacher directory: ``(model, gguf, dir)``."""
-    from pipeline.teacher import import_teacher
+    from pipeline.teacher.importer import import_teacher
 
     root = tmp_path_factory.mktemp("real_model")
     model = tiny_llama()
@@ -355,7 +355,7 @@ def test_llama_cpp_quantizes_records_refusals_and_counts(teacher, tmp_path):
 def test_quality_and_speed_children_on_llama_cpp(teacher, bf16_gguf, tmp_path):
     pytest.importorskip("llama_cpp")
     from pipeline.eval.text import TextReference
-    from pipeline.answers import Example
+    from pipeline.teacher.answers import Example
 
     _, _, teacher_dir = teacher
     examples = [Example(0, None, (1, 5, 9, 12), (20, 31, 7, 2)), Example(1, None, (1, 8, 3), (14, 15, 16, 17, 2))]
@@ -406,9 +406,9 @@ def test_our_packed_rows_census_quality_and_speed(teacher, tmp_path):
     from pipeline import formats
     from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.eval.text import TextReference
-    from pipeline.fit import fit_model
+    from pipeline.cast.fit import fit_model
     from pipeline.packed.file import write_packed
-    from pipeline.answers import Example
+    from pipeline.teacher.answers import Example
     from transformers import AutoConfig
 
     model, _, teacher_dir = teacher
@@ -462,9 +462,9 @@ def test_sensitivity_puts_back_one_group_at_a_time_and_restores_the_student(tmp_
     from pipeline.bench import sensitivity
     from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.eval.text import TextReference, hf_logits_fn
-    from pipeline.fit import fit_model
+    from pipeline.cast.fit import fit_model
     from pipeline.packed.file import load_packed_model, write_packed
-    from pipeline.answers import Example
+    from pipeline.teacher.answers import Example
     from pipeline.recipe import replace
     from tests.test_teacher_import import tiny_llama
 

@@ -42,7 +42,7 @@ raise SystemExit(main(sys.argv[1:]))
 @pytest.fixture(scope="module")
 def text_llama(tmp_path_factory):
     from pipeline.cli import main
-    from pipeline.teacher import import_teacher
+    from pipeline.teacher.importer import import_teacher
 
     root = tmp_path_factory.mktemp("serve-llama")
     vocab = byte_vocabulary()

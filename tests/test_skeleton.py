@@ -144,7 +144,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     from it; without dvclive the per-step metrics land in its JSON."""
     from pipeline.bench import gpu_check
     from pipeline import formats
-    from pipeline.direct_cast import DirectCast
+    from pipeline.cast.direct import DirectCast
 
     monkeypatch.setattr(S, "WORK", tmp_path)
     monkeypatch.setitem(sys.modules, "dvclive", None)          # as on a GPU machine without dvc

@@ -304,7 +304,7 @@ def test_direct_cast_resumes_after_a_kill_with_the_same_result(chain, tmp_path, 
     cwd = workdir(tmp_path, teacher)
     for part in ("data/centroids", "data/calibration"):
         shutil.copytree(chain / part, cwd / part)
-    run_stage_killed_after(cwd, "pipeline.direct_cast.cast_group", "direct_cast.py", "--format", "s3d8")
+    run_stage_killed_after(cwd, "pipeline.cast.direct.cast_group", "direct_cast.py", "--format", "s3d8")
     assert not (cwd / "models/direct-cast").exists()          # the DVC output appears only whole
     done = list((cwd / "checkpoints/direct-cast/s3d8").glob("*.safetensors"))
     assert len(done) == 1
@@ -322,10 +322,11 @@ def test_direct_cast_is_ptq_bit_for_bit_and_what_pack_and_qat_read(chain, teache
     both did before the stage existed), and the packed direct cast is those tensors."""
     import torch
 
-    from pipeline import formats, ptq
-    from pipeline.calibrate import Calibration
+    from pipeline import formats
+    from pipeline.cast import ptq
+    from pipeline.cast.calibrate import Calibration
     from pipeline.packed.checkpoint import CheckpointReader
-    from pipeline.direct_cast import DirectCast
+    from pipeline.cast.direct import DirectCast
 
     fmt = formats.get("s3d8")
     cast = DirectCast(chain / "models/direct-cast/s3d8", fmt, "gptq")
@@ -349,7 +350,7 @@ def test_direct_cast_is_ptq_bit_for_bit_and_what_pack_and_qat_read(chain, teache
 
 
 def test_direct_cast_deals_files_to_processes():
-    from pipeline.direct_cast import deal, group_of
+    from pipeline.cast.direct import deal, group_of
 
     assert group_of("model.layers.12.mlp.down_proj") == "model.layers.12"
     assert group_of("model.vision_model.transformer.layers.3.self_attn.q_proj") == \
@@ -364,7 +365,7 @@ def test_direct_cast_deals_files_to_processes():
 def test_calibrate_in_several_passes_writes_the_same_file(chain, tmp_path, teacher):
     """calibrate.hessian_memory_gb below one matrix's float64 sums: a pass over the prompts per matrix, the same
     bytes as one pass."""
-    from pipeline.calibrate import passes
+    from pipeline.cast.calibrate import passes
 
     assert passes([4, 4, 8, 2], 8 * (16 + 16) + 8 * 16) == [(0, 2), (2, 3), (3, 4)]   # two sums + one product
     assert passes([100], 1.0) == [(0, 1)] and passes([], 1.0) == []

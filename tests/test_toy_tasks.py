@@ -9,7 +9,7 @@ import yaml
 from pipeline.eval import metrics
 from pipeline.eval.tasks import family_of, score
 from pipeline.toy.tasks import load_toy
-from pipeline.prompts import load_pool
+from pipeline.teacher.prompts import load_pool
 from pipeline.toy import charts, describe, diagrams, documents, draw, shapes, tasks
 
 

@@ -10,7 +10,7 @@ unless it is already under ``checkpoints/skeleton-11b/<preset>/model``, gives ev
 once on the embedding: throughput does not depend on the table; ``--fit`` fits each matrix as the pipeline does),
 then on the device:
 
-- cast: stage direct-cast's work (``pipeline.direct_cast.cast_group`` by ``--algorithm``, every matrix on the GPU as
+- cast: stage direct-cast's work (``pipeline.cast.direct.cast_group`` by ``--algorithm``, every matrix on the GPU as
   the stage puts it there) with a synthetic ``X^T X`` per Linear (a skeleton has no calibration data; GPTQ's cost
   does not depend on the values); seconds per matrix, and from them the 11B's direct cast on 1 and on 8 GPUs
   (its 526 matrices by shape, dealt to 8 processes as the stage deals them). One matrix is also cast on the CPU:
@@ -18,7 +18,8 @@ then on the device:
 - QAT: ``pipeline.qat.train.train`` under FSDP2 on one process (NCCL), bf16 compute, gradient checkpointing,
   from that direct cast (``qat.init: ptq``, the recipe's start), ``--steps`` optimizer steps of ``--batch``
   sequences of ``--seq`` tokens with one image each (the preset's tiles);
-- teacher-generate: ``pipeline.teacher_generate.generate_shard`` on a shard of ``--gen-prompts`` prompts, bf16, sampled.
+- teacher-generate: ``pipeline.teacher.generate_answers.generate_shard`` on a shard of ``--gen-prompts`` prompts,
+  bf16, sampled.
 
 Writes a JSON (default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else ``checkpoints/skeleton-11b/gpu_check.json``),
 rewritten after each phase: seconds and ``torch.cuda.max_memory_allocated`` per phase, and the memory model's
@@ -124,9 +125,9 @@ def ensure_skeleton(preset: str, fit: bool) -> dict:
     if not d["states"].exists():
         t0 = time.perf_counter()
         if fit:
-            from pipeline.fit import fit_model
+            from pipeline.cast.fit import fit_model
             states, _ = fit_model(fmt, str(d["model"]))
-            info["states"] = "fitted per matrix (pipeline.fit.fit_model)"
+            info["states"] = "fitted per matrix (pipeline.cast.fit.fit_model)"
         else:
             states = shared_table_states(preset)
             info["states"] = "one table fitted on the token embedding, shared by every matrix"
@@ -189,7 +190,7 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     import pipeline.toy  # noqa: F401  (the toy image pool)
     from pipeline.bench import skeleton_11b_steps as S
     from pipeline import formats
-    from pipeline.direct_cast import DirectCast
+    from pipeline.cast.direct import DirectCast
     from pipeline.processes import LaunchParams
     from pipeline.params import defaults
     from pipeline.models import load_processor
@@ -264,7 +265,7 @@ def generate_check(preset: str, prompts: int, max_new_tokens: int, phases: Phase
 
     import pipeline.toy  # noqa: F401
     from pipeline.bench import skeleton_11b_steps as S
-    from pipeline.teacher_generate import GenerateParams, generate_shard
+    from pipeline.teacher.generate_answers import GenerateParams, generate_shard
     from pipeline.params import defaults
     from pipeline.models import load_model, load_processor
 

@@ -48,9 +48,9 @@ def time_of(shape, linear: bool, measured: dict) -> float:
 
 def predict_11b(measured: dict[tuple, float], processes: int) -> dict:
     """The 11B's direct cast from the per-shape seconds: its matrices dealt to ``processes`` as the stage deals
-    them (``pipeline.direct_cast.deal``), the slowest process's seconds."""
+    them (``pipeline.cast.direct.deal``), the slowest process's seconds."""
     from pipeline.bench import skeleton_11b_steps as S
-    from pipeline import direct_cast
+    from pipeline.cast import direct as direct_cast
 
     inventory = matrices(S.full_11b_config())
     group_seconds: dict[str, float] = {}
@@ -67,7 +67,8 @@ def predict_11b(measured: dict[tuple, float], processes: int) -> dict:
 def cast_check(preset: str, algorithm: str, device, phases, compare: bool = True) -> dict:
     """Stage direct-cast's work on ``device``; writes ``<preset>/direct-cast/s3d8`` for :func:`qat_check`."""
     from pipeline.bench import skeleton_11b_steps as S
-    from pipeline import direct_cast, formats
+    from pipeline import formats
+    from pipeline.cast import direct as direct_cast
     from pipeline.precision import Precision
     from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.io import atomic_dir
@@ -135,7 +136,7 @@ def compare_on_cpu(fmt, states, reader, inventory, hessians, algorithm: str, dev
     seconds of each and how much of the result agrees."""
     import torch
 
-    from pipeline import ptq
+    from pipeline.cast import ptq
 
     name = min((n for n, (s, linear) in inventory.items() if linear and s[0] == s[1]),
                key=lambda n: inventory[n][0][0])

@@ -38,7 +38,7 @@ _MAIN_TYPE = {"IQ3_M": "IQ3_S", "IQ3_XS": "IQ3_S", "IQ2_M": "IQ2_S", "MXFP4_MOE"
 def source_gguf(teacher_dir: str | Path) -> Path:
     """The GGUF a teacher directory was imported from (its ``teacher_import.json``): the installed package's file
     or the local path."""
-    from pipeline.teacher_source import PROVENANCE, package_file
+    from pipeline.teacher.source import PROVENANCE, package_file
 
     record = Path(teacher_dir) / PROVENANCE
     if not record.is_file():
@@ -80,7 +80,7 @@ def write_teacher_gguf(teacher_dir: str | Path, source_gguf: str | Path, out: st
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from pipeline import gguf_import
+    from pipeline.teacher import gguf_import
 
     teacher_dir, out = Path(teacher_dir), Path(out)
     reader = gguf_import.open_gguf(source_gguf)

@@ -26,17 +26,18 @@ from pathlib import Path
 import torch
 
 import pipeline.toy  # noqa: F401  (the toy image pool of the teacher answers)
-from pipeline import formats, params, ptq
+from pipeline import formats, params
+from pipeline.cast import ptq
 from pipeline.bench import machine
-from pipeline.calibrate import CALIBRATION, Calibration
-from pipeline.fit import check_states
+from pipeline.cast.calibrate import CALIBRATION, Calibration
+from pipeline.cast.fit import check_states
 from pipeline.io import write_json, write_text
 from pipeline.models import dtype_of, load_config, load_model, load_processor, token_ids
-from pipeline.answers import batch_indices, collate, load_examples, sequence_lengths, split_heldout
+from pipeline.teacher.answers import batch_indices, collate, load_examples, sequence_lengths, split_heldout
 from pipeline.divergence import kl_sum
 from pipeline.qat.train import QATParams, quantise_student
-from pipeline.teacher_logits import TeacherLogits
-from pipeline.teacher_source import TeacherParams
+from pipeline.teacher.logits import TeacherLogits
+from pipeline.teacher.source import TeacherParams
 
 PARTS = ["collate", "teacher forward", "teacher cache gather", "student forward", "kl", "backward", "optimizer"]
 PLAIN = ["plain forward", "plain kl", "plain backward", "plain optimizer"]

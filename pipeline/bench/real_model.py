@@ -326,7 +326,7 @@ def run(args, out_dir: str | Path | None = None) -> dict:
 
     from pipeline import texts
     from pipeline.eval import text
-    from pipeline.answers import load_examples, split_heldout
+    from pipeline.teacher.answers import load_examples, split_heldout
     from pipeline.stage import console, progress
 
     teacher_dir = Path(args.teacher)

@@ -15,7 +15,7 @@ The weights (``--model``), real pretrained transformers whose checkpoints ship i
 Neither is a vision-language model; see the report for what that does and does not tell.
 
 Per matrix kind (attention q/k/v/o, MLP up/down, embeddings) it reports, for each comparison format and
-post-training method (``pipeline.ptq``):
+post-training method (``pipeline.cast.ptq``):
 
 - ``weight``: ``||W - Q(W)||^2 / ||W||^2`` summed over the matrices of the kind (the issue's measure);
 - ``output``: ``tr((W - Q) H (W - Q)^T) / tr(W H W^T)`` with ``H = X^T X`` of held-out activations
@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline import formats, ptq
+from pipeline import formats
+from pipeline.cast import ptq
 from pipeline.formats import numerics, s3d8, scalar
 from pipeline.bench.real_weights_report import DEFAULT_METHOD, METHODS, markdown, summarise
 

@@ -3,7 +3,7 @@ errors of each format and method, the bars, the cost, and notes (``reports/real_
 
 from __future__ import annotations
 
-from pipeline import ptq
+from pipeline.cast import ptq
 from pipeline.formats import SUBJECT
 from pipeline.params import defaults
 

@@ -51,7 +51,7 @@ def measure(packed: Path, teacher_dir: Path, teacher_data: str, heldout: int, ma
     from pipeline import texts
     from pipeline.eval import text
     from pipeline.packed.file import load_packed_model
-    from pipeline.answers import load_examples, split_heldout
+    from pipeline.teacher.answers import load_examples, split_heldout
     from pipeline.stage import console, progress
 
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))

@@ -164,7 +164,7 @@ def default_models() -> tuple[dict[str, Path], dict[str, Path], list[str]]:
         ours["toy"] = toy
     else:
         notes.append(f"toy skipped: {toy} does not exist (dvc repro makes it)")
-    from pipeline.teacher_source import package_file
+    from pipeline.teacher.source import package_file
 
     try:
         shipped = package_file(SMOLLM2)[0]

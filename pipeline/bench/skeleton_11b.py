@@ -53,7 +53,7 @@ def derive_states(source: str, target: str) -> dict:
 
 def base_rss_gb() -> float:
     """RSS of a fresh process after importing torch, transformers and the pipeline (measured here)."""
-    code = ("import re,pathlib,torch,transformers,pipeline,pipeline.packed.file,pipeline.fit,pipeline.qat.train;"
+    code = ("import re,pathlib,torch,transformers,pipeline,pipeline.packed.file,pipeline.cast.fit,pipeline.qat.train;"
             "print(int(re.search(r'VmHWM:\\s+(\\d+)',pathlib.Path('/proc/self/status').read_text()).group(1)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

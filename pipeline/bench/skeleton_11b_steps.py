@@ -236,7 +236,7 @@ def _step_build(preset: str, phases: Phases) -> dict:
 
 def _step_fit(preset: str, phases: Phases) -> dict:
     from pipeline import formats
-    from pipeline.fit import fit_model
+    from pipeline.cast.fit import fit_model
 
     d = dirs(preset)
     fmt = formats.get(formats.SUBJECT)
@@ -303,7 +303,7 @@ def _examples(processor, model_dir: Path, n: int, response_len: int, seed: int =
     """Training sequences: the chat prompt with an image, and a random "teacher response" of BPE tokens."""
     import random
 
-    from pipeline.answers import Example
+    from pipeline.teacher.answers import Example
 
     rng = random.Random(seed)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]

@@ -112,7 +112,7 @@ def child(spec: dict) -> dict:
     t0 = time.perf_counter()
     model = hf_mllama(path)
     load_s = time.perf_counter() - t0
-    processor = runtime._processor_for(path, read_header(path)[1], None)
+    processor = runtime.processor_for(path, read_header(path)[1], None)
     t0 = time.perf_counter()
     answer(model, inputs(processor, (560, 560), "Hi."), 2)
     warmup_s = time.perf_counter() - t0

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.answers import collate
+from pipeline.teacher.answers import collate
 from pipeline.divergence import kl_sum
-from pipeline.teacher_logits import TeacherLogits, model_logits
+from pipeline.teacher.logits import TeacherLogits, model_logits
 
 
 class HeldoutKL:

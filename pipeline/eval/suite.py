@@ -19,10 +19,10 @@ from pipeline.models import dtype_of, load_model, load_processor, token_ids
 from pipeline.packed.file import load_packed_model, read_metadata
 from pipeline.packed.modules import DECODES, check_kernel
 from pipeline.section import non_negative, positive
-from pipeline.answers import load_examples, split_heldout
+from pipeline.teacher.answers import load_examples, split_heldout
 from pipeline.recipe import STUDENTS
 from pipeline.stage import console
-from pipeline.teacher_source import TeacherParams, local_dir
+from pipeline.teacher.source import TeacherParams, local_dir
 
 
 @dataclass

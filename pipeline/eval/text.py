@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.divergence import kl_sum
-from pipeline.teacher_logits import TeacherLogits
+from pipeline.teacher.logits import TeacherLogits
 from pipeline.texts import (CORPUS, HELDOUT_EVERY, corpus_info, corpus_text,  # noqa: F401  (also imported from here)
                             corpus_windows, text_windows)
 
@@ -50,9 +50,10 @@ class TextReference:
     @classmethod
     def build(cls, teacher_model, tokenizer, heldout_examples: Sequence, windows: list[list[int]],
               max_seq_len: int | None = None) -> TextReference:
-        """``heldout_examples``: :class:`pipeline.answers.Example` (prompt ids, then the teacher's answer ids);
+        """``heldout_examples``: :class:`pipeline.teacher.answers.Example` (prompt ids, then the teacher's answer ids);
         each sequence is cut to ``max_seq_len`` tokens when given. ``tokenizer``: the teacher's, or None (one
-        sequence per forward: nothing is padded). The logits come from :class:`pipeline.teacher_logits.TeacherLogits`."""
+        sequence per forward: nothing is padded). The logits come from
+        :class:`pipeline.teacher.logits.TeacherLogits`."""
         longest = max((len(e.prompt_ids) + len(e.response_ids) for e in heldout_examples), default=0)
         limit = max_seq_len or longest + 1
         scored = [e for e in heldout_examples if e.response_ids and len(e.prompt_ids) < limit]   # a response token left

@@ -5,7 +5,7 @@ quantised, same shape and dtype, straight-through gradient), ``bits_per_param(sh
 the paper counts) and ``storage_bytes(shape)`` (what the packed tensors really take); the formats of
 the paper's comparison also their packed tensors (``pack`` / ``unpack`` / ``packed_specs``), their
 fitted-state file (``save_states`` / ``load_states``) and their post-training methods and scale rules
-(``search``, ``gptq``, ``pack_at_scale``, ``values_at_scale``, ``absmax_scale`` ...; ``pipeline.ptq`` calls
+(``search``, ``gptq``, ``pack_at_scale``, ``values_at_scale``, ``absmax_scale`` ...; ``pipeline.cast.ptq`` calls
 them). Each format lives in its own module (``pipeline/formats/<name>.py``); adding one means writing that module
 and listing it here.
 """

@@ -132,7 +132,7 @@ class FormatBase:
         return {}
 
     # --- scales and post-training methods (the comparison formats override these) ----------------------
-    # ``pipeline.ptq`` calls them for the methods ``search`` and ``gptq`` and for the QAT start; the QAT forward
+    # ``pipeline.cast.ptq`` calls them for the methods ``search`` and ``gptq`` and for the QAT start; the QAT forward
     # at a learned scale (``pipeline.qat.modules``) uses ``values_at_scale`` and ``expand_scale``.
 
     refits_state = False                  # ``refit_state`` refits the fitted state on trained weights (qat.refit_table)

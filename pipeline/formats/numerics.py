@@ -2,7 +2,7 @@
 candidates, the least-squares scale given codes, and GPTQ's error feedback (Frantar et al. 2022).
 
 Each format's own search and GPTQ grouping (which weights share a scale, how a column is rounded) live in its
-module (``pipeline.formats.s3d8``, ``pipeline.formats.scalar``); ``pipeline.ptq`` chooses the method.
+module (``pipeline.formats.s3d8``, ``pipeline.formats.scalar``); ``pipeline.cast.ptq`` chooses the method.
 """
 
 from __future__ import annotations

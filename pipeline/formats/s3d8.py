@@ -401,7 +401,7 @@ def fit_centroids(weight: torch.Tensor, *, seed: int = 0, max_vectors: int = 2 *
     return centroids.round().clamp(0, 127).to(torch.int8)
 
 
-# --- post-training methods (``pipeline.ptq`` chooses one): the scale search and GPTQ's grouping ------------
+# --- post-training methods (``pipeline.cast.ptq`` chooses one): the scale search and GPTQ's grouping ------------
 
 def _group_error(err_rows: torch.Tensor) -> torch.Tensor:
     """Per-row errors ``[d_out]`` summed over the 3-row byte groups ``[ceil(d_out/3)]`` (float64)."""
@@ -478,7 +478,7 @@ def refit_table(w: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, table: to
 
 def search(weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed: int = 0,
                 rounds: int = numerics.ROUNDS, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``search`` post-training method (``pipeline.ptq``): ``(table int8 [32, 3], scale bf16 [d_out, 1])``.
+    """The ``search`` post-training method (``pipeline.cast.ptq``): ``(table int8 [32, 3], scale bf16 [d_out, 1])``.
     ``table``: the absmax table ``fit_centroids(weight, seed=seed)`` when already at hand (it is fitted otherwise)."""
     w = weight.detach().float()
     h = numerics.weights(importance, w)

@@ -154,7 +154,7 @@ def lloyd_max_1d(values: torch.Tensor, weights: torch.Tensor | None = None, *, l
     return code
 
 
-# --- post-training methods (``pipeline.ptq`` chooses one): the scale search and GPTQ's grouping ------------
+# --- post-training methods (``pipeline.cast.ptq`` chooses one): the scale search and GPTQ's grouping ------------
 
 def _parts(fmt, weight: torch.Tensor, h: torch.Tensor):
     w = blocked(weight.detach().float(), fmt.block)                       # [d_out, nb, B]

@@ -38,7 +38,7 @@ def write_packed(out: str | Path, source: CheckpointReader, fmt: FormatBase, sta
                  other: dict[str, FormatBase] | None = None) -> dict:
     """Pack the checkpoint ``source``: weights named ``P.weight`` with an entry ``P`` in ``states``
     are encoded in ``fmt``, or in ``other[P]`` (the precision plan's other formats: metadata ``formats``), by
-    ``encode(P, weight, state)`` (default the format's ``pack``: a post-training method such as ``pipeline.ptq``'s
+    ``encode(P, weight, state)`` (default the format's ``pack``: a post-training method such as ``pipeline.cast.ptq``'s
     scale search may choose other scales and tables, the layout is the same); every other tensor is copied in
     ``dtype`` (if floating point). Streams one tensor at a time. Returns a summary (sizes, bits per parameter)."""
     other = other or {}

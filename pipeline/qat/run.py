@@ -9,21 +9,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline import cpu_numerics, params
-from pipeline.answers import load_examples, split_heldout, text_examples
-from pipeline.calibrate import CALIBRATION, Calibration
+from pipeline.teacher.answers import load_examples, split_heldout, text_examples
+from pipeline.cast.calibrate import CALIBRATION, Calibration
 from pipeline.texts import source_hash, source_text, text_windows
 from pipeline.chat import is_text_only, tokenizer_of
-from pipeline.direct_cast import INDEX, DirectCast
-from pipeline.fit import check_states
+from pipeline.cast.direct import INDEX, DirectCast
+from pipeline.cast.fit import check_states
 from pipeline.formats import FormatBase
 from pipeline.io import write_json
 from pipeline.models import load_config, load_processor, token_ids
 from pipeline.precision import Precision
-from pipeline.ptq import PackParams
+from pipeline.cast.ptq import PackParams
 from pipeline.qat.train import QATParams, train
 from pipeline.shards import file_hash, fingerprint, shard_paths
 from pipeline.stage import run_log, set_threads
-from pipeline.teacher_source import TeacherParams, local_dir
+from pipeline.teacher.source import TeacherParams, local_dir
 
 
 def run(fmt: FormatBase, params_path: str, teacher_data: str) -> None:

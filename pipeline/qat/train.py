@@ -29,14 +29,14 @@ from pipeline.models import dtype_of, load_processor, quantised_weight_names, st
 from pipeline.section import bounded, non_negative, positive
 from pipeline.qat.api import prepare
 from pipeline.qat.distributed import ReshardError
-from pipeline.answers import Example, batch_indices, collate, sequence_lengths
+from pipeline.teacher.answers import Example, batch_indices, collate, sequence_lengths
 from pipeline.divergence import kl_sum
 from pipeline.qat.engines import AccelerateEngine, FSDP2Engine
 from pipeline.precision import Precision
 from pipeline.qat.modules import learned_scale
 from pipeline.recipe import Quantised, quantised_modules
 from pipeline.stage import console, progress
-from pipeline.teacher_logits import TeacherLogits
+from pipeline.teacher.logits import TeacherLogits
 
 
 @dataclass
@@ -75,7 +75,7 @@ class QATParams:
 
 Start = Callable[[str, torch.Tensor], tuple]
 """``start(P, weight) -> (master weight, state, bf16 scale)``: the post-training point (``ptq.start``; the stages read
-it from stage direct-cast, ``pipeline.direct_cast.DirectCast.start``)."""
+it from stage direct-cast, ``pipeline.cast.direct.DirectCast.start``)."""
 
 
 def recipe_lr(bits_per_param: float) -> float:

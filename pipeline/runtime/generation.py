@@ -248,7 +248,9 @@ def packed_file(path: str | Path) -> Path:
                             f"{', '.join(found) if found else 'no .safetensors file'}")
 
 
-def _processor_for(path: Path, meta: dict[str, str], tokenizer: str | None):
+def processor_for(path: Path, meta: dict[str, str], tokenizer: str | None):
+    """The processor (or tokenizer) of packed file ``path``: ``tokenizer`` when given, else the one beside the file,
+    else its metadata's ``source_model`` where that exists; ``None`` otherwise (a synthetic Llama: byte tokens)."""
     from pipeline.models import load_processor
 
     beside = path.parent if any((path.parent / f).is_file() for f in ("processor_config.json", "tokenizer_config.json")) \
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.runtime"
         path = packed_file(args.model)
         kind, fmt = model_kind(path)
         _, meta, _ = read_header(path)
-        processor = _processor_for(path, meta, args.tokenizer)    # None: a synthetic Llama (byte tokens)
+        processor = processor_for(path, meta, args.tokenizer)    # None: a synthetic Llama (byte tokens)
         cfg = json.loads(meta["config"])
         vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size", 0)
         inputs, detok = _inputs(kind, processor, args.prompt, args.image, vocab)

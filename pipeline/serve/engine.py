@@ -63,7 +63,7 @@ class Engine:
         file = runtime.packed_file(path)
         self.kind, self.format = model_kind(file)
         _, meta, _ = read_header(file)
-        self.processor = runtime._processor_for(file, meta, tokenizer)
+        self.processor = runtime.processor_for(file, meta, tokenizer)
         if self.processor is None:
             raise RuntimeInputError(f"{file}: no tokenizer beside the model or at its source_model; pass --tokenizer")
         from pipeline.chat import is_text_only, tokenizer_of

@@ -57,7 +57,7 @@ def tokenizer_dir(file: Path, meta: dict[str, str], directory: Path | None, toke
             if (base / "tokenizer.json").is_file():
                 return base
         try:
-            from pipeline.teacher_source import local_dir
+            from pipeline.teacher.source import local_dir
 
             found = local_dir(source)
         except Exception:  # noqa: BLE001 - not a directory or hub id: try the next candidate

@@ -25,7 +25,7 @@ from typing import Callable
 
 import yaml
 
-from pipeline.prompts import PromptPool
+from pipeline.teacher.prompts import PromptPool
 from pipeline.toy.facts import Facts, join_words, plural
 
 # --- reading a request ----------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def sample_request(rng: random.Random, pool: PromptPool, p_block: float = 0.72, 
     if rng.random() < 0.40:
         block.append(rng.choice(pool.probes))
     layout = rng.random()
-    if layout < 0.4:  # the pipeline's sampler (pipeline/prompts.py): the block first, then the prompt
+    if layout < 0.4:  # the pipeline's sampler (pipeline/teacher/prompts.py): the block first, then the prompt
         return " ".join(block) + "\n" + prompt
     if layout < 0.7:
         return prompt + "\n" + " ".join(block)

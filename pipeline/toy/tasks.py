@@ -18,7 +18,7 @@ from PIL import Image
 from pipeline import images
 from pipeline.eval import tasks as eval_tasks
 from pipeline.eval.task_prompts import option_letter, prompt_for
-from pipeline.prompts import PromptPool, load_pool
+from pipeline.teacher.prompts import PromptPool, load_pool
 from pipeline.toy import charts, describe, diagrams, documents, shapes
 
 TASK_MODULES: dict[str, ModuleType] = {

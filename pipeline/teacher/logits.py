@@ -1,5 +1,5 @@
-"""The teacher's logits at the response positions of sequences (the ``loss_mask`` of :func:`pipeline.answers.collate`):
-the one source QAT's loss and the evaluations' KL read them from.
+"""The teacher's logits at the response positions of sequences (the ``loss_mask`` of
+:func:`pipeline.teacher.answers.collate`): the one source QAT's loss and the evaluations' KL read them from.
 
 :class:`TeacherLogits` keeps them per example, computed once (QAT's ``qat.teacher_logits: cache``; the text
 evaluation's held-out answers), or computes a batch's rows when they are asked for (``forward``: QAT at 11B, where
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.answers import Example, collate, model_inputs
+from pipeline.teacher.answers import Example, collate, model_inputs
 from pipeline.stage import progress
 
 
 def model_logits(model, batch: dict, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-    """``model``'s logits ``[B, L, V]`` of a :func:`~pipeline.answers.collate` batch (its ``loss_mask`` left out), the
-    image pixels in ``dtype`` (the model's own by default), the inputs moved to ``device`` when given."""
+    """``model``'s logits ``[B, L, V]`` of a :func:`~pipeline.teacher.answers.collate` batch (its ``loss_mask`` left
+    out), the image pixels in ``dtype`` (the model's own by default), the inputs moved to ``device`` when given."""
     return model(**model_inputs(batch, dtype or model.dtype, device)).logits
 
 

@@ -12,7 +12,7 @@ from pipeline.formats import FormatBase, State
 from pipeline.models import load_config, meta_model, quantised_weight_names
 from pipeline.section import non_negative
 from pipeline.stage import progress
-from pipeline.teacher_source import local_dir
+from pipeline.teacher.source import local_dir
 
 
 @dataclass

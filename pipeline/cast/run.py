@@ -1,8 +1,8 @@
 """Stage direct-cast's run (``stages/direct_cast.py``): the weights the precision plan quantises, grouped one file per
-decoder layer (:func:`pipeline.direct_cast.group_of`) and dealt to the processes, or cast in the model's order by one
+decoder layer (:func:`pipeline.cast.direct.group_of`) and dealt to the processes, or cast in the model's order by one
 process (``calibrate.sequential``); each finished file staged in ``checkpoints/direct-cast/<format>/`` under the
 fingerprint of what decides its bytes, so a killed run resumes from it; rank 0 then links them into
-``models/direct-cast/<format>/`` with the index. The casting itself is :mod:`pipeline.direct_cast`'s."""
+``models/direct-cast/<format>/`` with the index. The casting itself is :mod:`pipeline.cast.direct`'s."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from pipeline import cpu_numerics, ranks
-from pipeline.answers import model_inputs
-from pipeline.calibrate import CALIBRATION, Calibration, calibration_fingerprint, calibration_inputs
+from pipeline.teacher.answers import model_inputs
+from pipeline.cast.calibrate import CALIBRATION, Calibration, calibration_fingerprint, calibration_inputs
 from pipeline.packed.checkpoint import CheckpointReader
-from pipeline.direct_cast import (cast_fingerprint, cast_group, cast_in_order, deal, finished, gptq_cost, group_of,
+from pipeline.cast.direct import (cast_fingerprint, cast_group, cast_in_order, deal, finished, gptq_cost, group_of,
                                   write_index)
 from pipeline.filehash import file_hash
-from pipeline.fit import check_states
+from pipeline.cast.fit import check_states
 from pipeline.formats import FormatBase
 from pipeline.formats.base import check_weight
 from pipeline.io import atomic_dir
@@ -28,7 +28,7 @@ from pipeline.models import load_config, load_model, load_processor, meta_model,
 from pipeline.precision import Precision
 from pipeline.processes import device, settings
 from pipeline.stage import console, progress, run_log, set_threads, versions
-from pipeline.teacher_source import local_dir
+from pipeline.teacher.source import local_dir
 
 def run(fmt: FormatBase, doc: dict, teacher_data: str) -> None:
     """Stage direct-cast (``stages/direct_cast.py``) for ``fmt`` under the params ``doc``: the weights the precision

@@ -26,7 +26,7 @@ class TeacherParams:
     dir: str     # its bf16 Hugging Face directory (teacher-import's output): what stages read
     dtype: str
     name: str    # how reports call it
-    rotate: str            # none | orthogonal | hadamard: the residual stream rotated at import (pipeline.rotate)
+    rotate: str            # none | orthogonal | hadamard: the residual stream rotated at import (pipeline.cast.rotate)
     rotate_seed: int
 
 

@@ -20,8 +20,8 @@ or ``self``: ``n_prompts`` sequences of ``max_seq_len`` tokens the teacher sampl
 (temperature 1, seeded; no data needed, but on SmolLM2 it calibrated far worse than real prose: README).
 Sources joined by ``+`` (``corpus+teacher-answers``) are read one after another, ``n_prompts`` sequences each.
 With ``calibrate.sequential`` the direct cast takes each matrix's ``X^T X`` from the partly cast model itself
-(:mod:`pipeline.sequential`, over the same :func:`calibration_inputs`); this stage's teacher matrices then serve the
-QAT table refit only.
+(:mod:`pipeline.cast.sequential`, over the same :func:`calibration_inputs`); this stage's teacher matrices then serve
+the QAT table refit only.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from dataclasses import dataclass, replace
 import torch
 from safetensors import safe_open
 
-from pipeline import ptq
+from pipeline.cast import ptq
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.section import non_negative, positive
 from pipeline.packed.safetensors_io import StreamingWriter
 from pipeline.shards import file_hash, shard_paths
-from pipeline.answers import collate, load_examples, model_inputs, split_heldout, tokenizer_of
-from pipeline.teacher_source import TeacherParams
+from pipeline.teacher.answers import collate, load_examples, model_inputs, split_heldout, tokenizer_of
+from pipeline.teacher.source import TeacherParams
 from pipeline.texts import source_hash, source_text, text_windows  # noqa: F401  (source_text: also imported from here)
 
 
@@ -192,8 +192,8 @@ def calibrate(p: CalibrateParams, teacher: TeacherParams, teacher_data: str, hel
 
 
 def peak_bytes(widths: list[int], rows: int) -> int:
-    """The most memory :func:`pipeline.ptq.input_sums` holds for matrices of these input widths: their float64 sums,
-    and while one is updated its ``d x d`` float64 product, its input ``rows`` (the most one prompt feeds a Linear:
+    """The most memory :func:`pipeline.cast.ptq.input_sums` holds for matrices of these input widths: their float64
+    sums, and while one is updated its ``d x d`` float64 product, its input ``rows`` (the most one prompt feeds a Linear:
     its tokens, or its image's tiles x patches; float32 at most) and their float64 copy. Each float64 sum is freed
     as its float32 mean is made, so the means never add to it."""
     return 8 * sum(d * d for d in widths) + max((8 * d * d + 12 * rows * d for d in widths), default=0)

@@ -13,10 +13,10 @@ from pipeline.images import image_refs
 from pipeline.io import atomic_dir
 from pipeline.models import load_processor
 from pipeline.section import positive
-from pipeline.prompts import SamplerParams, load_pool, render, sample
+from pipeline.teacher.prompts import SamplerParams, load_pool, render, sample
 from pipeline.shards import write_shard
 from pipeline.stage import versions
-from pipeline.teacher_source import TeacherParams
+from pipeline.teacher.source import TeacherParams
 
 
 @dataclass

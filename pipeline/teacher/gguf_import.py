@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.packed.safetensors_io import StreamingWriter
-from pipeline.teacher_source import SourceError
+from pipeline.teacher.source import SourceError
 
 
 

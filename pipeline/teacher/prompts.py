@@ -18,8 +18,8 @@ import yaml
 
 from pipeline.section import probability
 
-_REPO_POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "prompt_pool.yaml"
-DEFAULT_POOL = _REPO_POOL if _REPO_POOL.exists() else Path(__file__).resolve().parent / "data" / "prompt_pool.yaml"
+_REPO_POOL = Path(__file__).resolve().parents[2] / "data" / "prompts" / "prompt_pool.yaml"
+DEFAULT_POOL = _REPO_POOL if _REPO_POOL.exists() else Path(__file__).resolve().parents[1] / "data" / "prompt_pool.yaml"
 """The repository's pool, or the copy an installed package carries."""
 
 

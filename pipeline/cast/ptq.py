@@ -204,7 +204,7 @@ def _collect(model, batches, names, fn) -> dict[str, torch.Tensor]:
 
 def input_sums(run, linears: dict[str, torch.nn.Linear], fn) -> dict[str, torch.Tensor]:
     """``sum fn(X) / n_rows`` (float32, summed in float64) of each Linear's inputs ``X`` (rows of ``d_in``) while
-    ``run()`` runs, from forward pre-hooks; modules never called are absent. ``pipeline.sequential`` takes each
+    ``run()`` runs, from forward pre-hooks; modules never called are absent. ``pipeline.cast.sequential`` takes each
     block's ``X^T X`` with it. Memory: the float64 sums, plus while one module's is updated its float64 input rows
     and ``fn`` of them (``calibrate.peak_bytes``)."""
     sums: dict[str, torch.Tensor] = {}

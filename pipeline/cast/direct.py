@@ -4,7 +4,7 @@ it (``qat.init: ptq``) and pack-safetensors packs it as the direct-cast model.
 ``models/direct-cast/<format>/`` holds one safetensors file per decoder layer (``model.layers.3.safetensors``)
 and one for the other weights (``rest.safetensors``). Per quantised weight ``P`` (of ``P.weight``): the packed
 tensors ``P.<suffix>`` as the format's ``pack`` lays them out, and ``P.master``, the float32 weight QAT starts
-from (``pipeline.ptq.cast``). ``index.json`` maps each weight to its file and records the format, the algorithm and
+from (``pipeline.cast.ptq.cast``). ``index.json`` maps each weight to its file and records the format, the algorithm and
 each file's sha256.
 
 The work is dealt to processes file by file (``deal``: the largest first, each to the least loaded process), so
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline import formats, ptq, sequential
+from pipeline import formats
+from pipeline.cast import ptq, sequential
 from pipeline.formats import FormatBase
 from pipeline.precision import Precision
 from pipeline.packed.safetensors_io import write_tensors
@@ -41,8 +42,10 @@ REST = "rest"
 
 def code_files() -> list[Path]:
     """The source whose code decides a cast's bytes: this module, the algorithms, the formats and the native kernels."""
-    pipeline, native = Path(__file__).parent, Path(__file__).parent.parent / "native"
-    modules = ("direct_cast", "ptq", "sequential", "precision", "quant", "packed/layout", "native", "cpu_numerics")
+    pipeline = Path(__file__).resolve().parents[1]
+    native = pipeline.parent / "native"
+    modules = ("cast/direct", "cast/ptq", "cast/sequential", "precision", "quant", "packed/layout", "native",
+               "cpu_numerics")
     return ([pipeline / f"{m}.py" for m in modules] + sorted((pipeline / "formats").glob("*.py"))
             + sorted(native.glob("*.[ch]")))
 
@@ -116,8 +119,8 @@ def write_group(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, algorithm: str, staging: Path, fingerprint: str,
                   on_matrix=None) -> None:
-    """The sequential cast (:mod:`pipeline.sequential`) of ``model`` (the teacher in float32, cast in place) over the
-    calibration ``inputs``, each decoder layer's file written to ``staging`` as soon as its weights are cast. A file
+    """The sequential cast (:mod:`pipeline.cast.sequential`) of ``model`` (the teacher in float32, cast in place) over
+    the calibration ``inputs``, each decoder layer's file written to ``staging`` as soon as its weights are cast. A file
     finished by an earlier run with the same ``fingerprint`` is read back instead of recast (its decoded weights
     still feed the layers after it)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}

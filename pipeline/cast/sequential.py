@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from pipeline import ptq
+from pipeline.cast import ptq
 from pipeline.models import quantised_weight_names
 
 Cast = Callable[[str, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
