@@ -3,7 +3,7 @@
     s3d8 pack MODEL_DIR OUT [--format s3d8] [--calibration TEXT]  # calibrated cast to a packed file (SPEC section 7)
     s3d8 eval PACKED [--tasks toy-vqa ...] [--n 16]               # score a packed model on the (toy) tasks
     s3d8 export-sqt PACKED OUT.sqt [--tokenizer DIR]              # the reference engine's .sqt v3 file
-    s3d8 bench [--shape 1,4096,4096] [--threads 1]                # S3D8 vs BF16 matmul on the native kernels
+    s3d8 bench [--shape 1,4096,4096] [--threads 1]                # S3D8 vs INT8 and BF16 on the native kernels
     s3d8 generate PACKED --prompt TEXT [--image PATH] ...         # pipeline.runtime.generation's generation
 
 ``OUT`` of ``pack``: a ``.safetensors`` file, or a directory: the Hugging Face directory pack-safetensors writes
@@ -234,8 +234,7 @@ def cmd_export_sqt(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from pipeline import native
-    from pipeline.formats import s3d8
+    from pipeline import formats, native
     from pipeline.runtime.generation import check_threads
 
     threads = check_threads(args.threads)
@@ -247,26 +246,27 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--shape {args.shape!r}: expected m,k,n (e.g. 1,4096,4096)") from None
     if min(m, k, n) < 1:
         raise ValueError(f"--shape {args.shape!r}: every dimension must be >= 1")
+    fmts = [formats.get(name) for name in args.formats.split(",")]
+    if not all(f.native_kernel for f in fmts):
+        raise ValueError(f"--formats {args.formats}: the native kernels run "
+                         f"{', '.join(f for f in formats.names() if formats.get(f).native_kernel)}")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=gen)
-    table = s3d8.fit_centroids(weight, seed=0)
-    packed, scale = native.s3d8_encode(weight, table, threads=threads)
     x = torch.randn(m, k, generator=gen)
-    w_bf16 = weight.to(torch.bfloat16)
-    impls = {"s3d8": lambda: native.s3d8_matmul(x, packed, scale, table, (n, k), threads=threads),
-             "bf16": lambda: native.bf16_matmul(x, w_bf16, threads=threads)}
+    linears = {f.name: f.native_linear(f.pack(weight, f.fit(weight, seed=0)), (n, k), None) for f in fmts}
     print(f"native variant {native.variant()} (available: {', '.join(native.available_variants())}), "
           f"m={m} k={k} n={n}, threads={threads}")
-    for name, fn in impls.items():
-        fn()                                         # warm-up
-        times = []
-        deadline = time.perf_counter() + args.seconds
-        while len(times) < 3 or time.perf_counter() < deadline:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        best = min(times)
-        print(f"{name:5s} {best * 1e6:10.1f} us  {m * k * n / best / 1e9:8.2f} GMAC/s  ({len(times)} runs)")
+    with torch.no_grad():
+        for name, linear in linears.items():
+            linear(x)                                # warm-up
+            times = []
+            deadline = time.perf_counter() + args.seconds
+            while len(times) < 3 or time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                linear(x)
+                times.append(time.perf_counter() - t0)
+            best = min(times)
+            print(f"{name:5s} {best * 1e6:10.1f} us  {m * k * n / best / 1e9:8.2f} GMAC/s  ({len(times)} runs)")
     return 0
 
 
@@ -342,10 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int, default=32, help="byte alignment of the tensor data (default 32)")
     p.set_defaults(func=cmd_export_sqt)
 
-    p = sub.add_parser("bench", help="time S3D8 and BF16 matmuls on the native kernels")
+    p = sub.add_parser("bench", help="time S3D8, INT8 and BF16 matmuls on the native kernels")
     p.add_argument("--shape", default="1,4096,4096", help="m,k,n (default 1,4096,4096)")
     p.add_argument("--threads", type=int, default=1, help=THREADS_HELP.replace("default 0: ", "default 1; 0: "))
-    p.add_argument("--seconds", type=float, default=1.0, help="time per implementation (default 1.0)")
+    p.add_argument("--seconds", type=float, default=1.0, help="time per format (default 1.0)")
+    p.add_argument("--formats", default="s3d8,int8,bf16", help="formats the native kernels run (default s3d8,int8,bf16)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("generate", add_help=False,

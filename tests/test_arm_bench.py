@@ -71,7 +71,7 @@ GENERATE_KEYS = {"model", "format", "impl", "threads", "prompt_tokens", "new_tok
 
 
 def test_generate_writes_only_the_records(tmp_path):
-    """The issue 15 item 4 command on the smallest model (the toy: S3D8, lean and hf loops), about 15 s."""
+    """The issue 15 item 4 command on the smallest model (the toy: S3D8 and INT8, lean and hf loops), about 25 s."""
     result = run_stage("--generate", "--models", "toy", "--threads", "1", "--out", "tmp/x.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
 
@@ -79,7 +79,7 @@ def test_generate_writes_only_the_records(tmp_path):
     assert set(doc) == {"records"}
     records = doc["records"]
     assert {(r["model"], r["format"], r["impl"], r["threads"]) for r in records} == {
-        ("toy", "s3d8", "lean", 1), ("toy", "s3d8", "hf", 1)}
+        ("toy", "s3d8", "lean", 1), ("toy", "s3d8", "hf", 1), ("toy", "int8", "lean", 1), ("toy", "int8", "hf", 1)}
     for r in records:
         assert set(r) == GENERATE_KEYS
         numbers = {k: v for k, v in r.items() if k not in ("model", "format", "impl")}
@@ -100,7 +100,8 @@ def test_generate_options_need_generate(tmp_path):
 
 
 def test_generate_benchmark_writes_its_report_atomically(tmp_path, monkeypatch):
-    """``python -m pipeline.bench.generate`` on the toy (a short prompt): JSON, markdown and plot, nothing else."""
+    """``python -m pipeline.bench.generate`` on the toy (a short prompt): JSON, markdown and plot, nothing else; the
+    toy runs in every format asked for that has a packed layout."""
     from pipeline.bench import generate
 
     real = generate.read_bandwidth
@@ -110,7 +111,8 @@ def test_generate_benchmark_writes_its_report_atomically(tmp_path, monkeypatch):
                           "--new-tokens", "4", "--out", str(out)]) == 0
     data = json.loads((out / "bench_generate.json").read_text())
     assert [(r["model"], r["format"], r["impl"], r["threads"]) for r in data["records"]] == [
-        ("toy", "s3d8", "lean", 1), ("toy", "s3d8", "lean", 2)]
+        ("toy", "s3d8", "lean", 1), ("toy", "s3d8", "lean", 2), ("toy", "int8", "lean", 1), ("toy", "int8", "lean", 2)]
+    assert any(n.startswith("toy: no bf16 rows") for n in data["notes"])      # bf16 has no packed layout
     rec = data["records"][0]
     assert rec["new_tokens"] == 4 and 0 < rec["overhead_ms_per_token"] < 1e3 / rec["decode_tokens_per_s"]
     assert set(data["read_bandwidth_gb_s_by_threads"]) == {"1", "2"} and data["read_bandwidth_gb_s"] > 0

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
+from pipeline import formats
 from pipeline.bench import machine, vision
 from pipeline.formats import BF16_BASELINE, INT8_BASELINE, SUBJECT
 from pipeline.io import atomic_path, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SYNTH_DIR = ROOT / "models" / "synthetic"
-TOY_PACKED = SYNTH_DIR / "toy" / "s3d8.safetensors"
 # llama.cpp's types by its ftype names. llama.cpp keeps the token embedding (which the tied models also use as
 # their output head) at 6 bits in its low-bit types, which puts a 1B's Q2_K file at 3.7 bits per weight;
 # "X+embd:Y" is type X with the token embedding at Y (llama-quantize's --token-embedding-type), so that the whole
@@ -50,19 +50,20 @@ GOALS = {"s3d8_vs_int8": 2.0, "s3d8_vs_bf16": 4.0, "s3d8_vs_llama_cpp_le_3_5_bit
 
 # --- model files ------------------------------------------------------------------------------------------------
 
-def toy_packed(path: Path = TOY_PACKED) -> Path:
-    """The committed toy teacher packed to S3D8 (per-matrix fitted tables), built once."""
+def toy_packed(fmt_name: str = SUBJECT) -> Path:
+    """The committed toy teacher packed to ``fmt_name`` (any format with a packed layout; each matrix with its own
+    fitted state), built once under ``models/synthetic/toy/``."""
+    fmt = formats.packed(fmt_name, "--formats")
+    path = SYNTH_DIR / "toy" / f"{fmt.name}.safetensors"
     if path.exists():
         return path
-    from pipeline import formats
-    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.models import load_config, meta_model, quantised_weight_names
+    from pipeline.packed.checkpoint import CheckpointReader
     from pipeline.packed.file import write_packed
 
     src = ROOT / "data" / "toy-teacher"
     reader = CheckpointReader(src / "model.safetensors")
     names = quantised_weight_names(meta_model(load_config(str(src))))
-    fmt = formats.get(SUBJECT)
     states = {s.removesuffix(".weight"): fmt.fit(reader.get(s).float()) for s in names.values()}
     write_packed(path, reader, fmt, states, dtype=torch.bfloat16,
                  metadata={"config": load_config(str(src)).to_dict(), "source_model": str(src)})
@@ -78,14 +79,32 @@ def model_file(model: str, fmt: str) -> Path:
         path = SYNTH_DIR / model / f"{fmt}.safetensors"
         return path if path.exists() else write_vision(model, SYNTH_DIR, files=(fmt,))[fmt]
     if model == "toy":
-        if fmt != SUBJECT:
-            raise ValueError(f"the toy runs as {SUBJECT} only")
-        return toy_packed()
+        return toy_packed(fmt)
     path = SYNTH_DIR / model / f"{fmt}.safetensors"
     if not path.exists():
         from pipeline.synthetic import write_synthetic
         write_synthetic(model, SYNTH_DIR)
     return path
+
+
+def model_formats(model: str, wanted: list[str]) -> tuple[list[str], str | None]:
+    """``(formats to run, a note on those left out)``: a user's packed file in its own format; the toy in those with a
+    packed layout; a vision preset in those its writer makes (not bf16: 21 GB at the 11B); a text preset in all."""
+    if Path(model).exists():
+        from pipeline.packed.file import read_metadata
+        from pipeline.runtime.generation import packed_file
+
+        return [read_metadata(packed_file(model)).get("format", "?")], None
+    if model in vision.VISION_PRESETS:
+        from pipeline.synthetic_vision import FILES
+
+        can, why = set(FILES), f"its writer makes {', '.join(FILES)}"
+    elif model == "toy":
+        can, why = {f.name for f in formats.packable()}, "the toy is packed in formats with a packed layout"
+    else:
+        can, why = set(wanted), ""
+    left = [f for f in wanted if f not in can]
+    return [f for f in wanted if f in can], f"{model}: no {', '.join(left)} rows ({why})" if left else None
 
 
 def llama_cpp_type(name: str) -> tuple[str, str | None, str]:
@@ -148,11 +167,9 @@ def _child_native(spec: dict) -> dict:
     t0 = time.perf_counter()
     model = runtime.load(spec["path"], spec["impl"], max_len=spec["prompt_tokens"] + spec["new_tokens"] + 8)
     load_s = time.perf_counter() - t0
-    if isinstance(model, runtime_models.LeanLlama):
-        vocab = model.config["vocab_size"]
-    else:
-        cfg = model.config
-        vocab = getattr(cfg, "text_config", cfg).vocab_size
+    lean = isinstance(model, runtime_models.LeanLlama)
+    c = None if lean else getattr(model.config, "text_config", model.config)        # transformers' config
+    vocab = model.config["vocab_size"] if lean else c.vocab_size
     run = runtime.lean_generate if spec["impl"] == "lean" else runtime.hf_generate
     # warm-up at the prompt's length: the first product of each size class above 16 tokens tunes its path
     t0 = time.perf_counter()
@@ -161,14 +178,8 @@ def _child_native(spec: dict) -> dict:
     res = run(model, {"input_ids": random_prompt(spec["prompt_tokens"], vocab)}, spec["new_tokens"])
     overhead = (overhead_ms_per_token(model, random_prompt(spec["prompt_tokens"], vocab), spec["new_tokens"])
                 if spec["impl"] == "lean" else None)
-    cfg = model.config if isinstance(model, runtime_models.LeanLlama) else None
-    kv = 0
-    if cfg is not None:
-        kv = model.kv_cache_bytes
-    else:
-        c = getattr(model.config, "text_config", model.config)
-        hd = c.hidden_size // c.num_attention_heads
-        kv = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4 * (spec["prompt_tokens"] + spec["new_tokens"])
+    kv = model.kv_cache_bytes if lean else (2 * c.num_hidden_layers * c.num_key_value_heads * 4 * (
+        c.hidden_size // c.num_attention_heads) * (spec["prompt_tokens"] + spec["new_tokens"]))
     return {"prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens_per_s": res.decode_tokens_per_s,
             "new_tokens": res.new_tokens, "load_s": load_s, "warmup_s": warmup_s, "kv_cache_bytes": kv,
             "weight_bytes": int(getattr(model, "weight_bytes", path.stat().st_size)), "overhead_ms_per_token": overhead,
@@ -234,8 +245,6 @@ def _child_llama_cpp(spec: dict) -> dict:
 
 
 def child(spec: dict) -> dict:
-    from pipeline.bench import vision
-
     out = {"llama.cpp": _child_llama_cpp, "vision": vision.child}.get(spec["impl"], _child_native)(spec)
     out["peak_rss_mb"] = machine.peak_rss_mb()
     return out
@@ -259,9 +268,8 @@ def read_bandwidth(threads: int = 1, nbytes: int = 1 << 30, repeats: int = 5) ->
     from concurrent.futures import ThreadPoolExecutor
 
     from pipeline import native
-
-
     from pipeline.packed import safetensors_io
+
     bufs = [safetensors_io.private_memory(nbytes // threads).fill_(1) for _ in range(threads)]
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
@@ -401,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="toy,synthetic-1b",
                     help="presets (toy, synthetic-1b, ..., synthetic-11b-vision) or paths of packed files / directories")
     ap.add_argument("--formats", default="s3d8,int8,bf16")
-    ap.add_argument("--impls", default="lean,hf", help="hf rows for S3D8 only (the comparison of loops); "
-                    "from_pretrained: a packed directory loaded by transformers")
+    ap.add_argument("--impls", default="lean,hf", help="loops, each run for every format: lean (the C decode step), hf (transformers' generate over "
+                    "the native modules), from_pretrained (a packed directory loaded by transformers)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -420,11 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     records, notes = [], []
     jobs = []
     for model in args.models.split(","):
-        fmts = [SUBJECT] if model == "toy" or Path(model).exists() else args.formats.split(",")
-        if model in vision.VISION_PRESETS:          # bf16 (21 GB at the 11B) is not written: it does not fit here
-            fmts = [f for f in fmts if f != BF16_BASELINE]
+        fmts, skipped = model_formats(model, args.formats.split(","))
+        if skipped:
+            notes.append(skipped)
         for fmt in fmts:
-            impls = ["vision"] if model in vision.VISION_PRESETS else args.impls.split(",") if fmt == SUBJECT else ["lean"]
+            impls = ["vision"] if model in vision.VISION_PRESETS else args.impls.split(",")
             for impl in impls:
                 for t in threads:
                     jobs.append((model, fmt, impl, t, None))

