@@ -310,11 +310,11 @@ def cast_rows(state: dict, matrices: dict, h_cal: dict, h_eval: dict, fmts: list
                     continue                 # an embedding's input is one-hot: no input-channel weighting
                 with PeakRSS() as mem:
                     t = time.perf_counter()
-                    q, state = cast(fmt_name, w, algorithm, hc.float() if hc is not None else None, seed, fitted)
+                    q, fit = cast(fmt_name, w, algorithm, hc.float() if hc is not None else None, seed, fitted)
                     seconds = time.perf_counter() - t
                 mib = mem.mib
                 if algorithm == "absmax":
-                    fitted, absmax_cost = state, (seconds, mib)
+                    fitted, absmax_cost = fit, (seconds, mib)
                 else:                        # the others start from absmax's fitted state: their cost includes it
                     seconds, mib = seconds + absmax_cost[0], max(mib, absmax_cost[1])
                 d = (w - q).double()
