@@ -59,10 +59,10 @@ def pack_model(args) -> dict:
     from pipeline.cast import direct as direct_cast
     from pipeline.chat import tokenizer_of
     from pipeline.packed.checkpoint import CheckpointReader
-    from pipeline.io import atomic_dir
+    from pipeline.files.atomic import atomic_dir
     from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names
     from pipeline.packed.file import write_packed
-    from pipeline.precision import Precision, parse_rules
+    from pipeline.formats.precision import Precision, parse_rules
     from pipeline.cast.rotate import auto_rotation, rotate_llama
     from pipeline.stage import progress
     from pipeline.teacher.source import local_dir

@@ -47,13 +47,13 @@ NOT_FOLLOWED = {
                              "from_pretrained load packed directories and changes no stage's result; a stage that "
                              "writes or loads packed directories imports pipeline.hf's modules itself"),
     "pipeline/params.py": ({"pipeline.bench", "pipeline.cast.calibrate", "pipeline.cast.fit", "pipeline.cast.ptq",
-                            "pipeline.eval.suite", "pipeline.formats", "pipeline.processes", "pipeline.qat.train",
+                            "pipeline.eval.suite", "pipeline.formats", "pipeline.launch.processes", "pipeline.qat.train",
                             "pipeline.teacher.answers", "pipeline.teacher.generate_answers",
                             "pipeline.teacher.sample", "pipeline.teacher.source", "pipeline.toy.settings"},
                            "every section's schema, to validate the whole params.yaml before a stage works: a "
                            "stage's results depend on its own section's values (its params deps) and the code that "
                            "reads them, which the stage imports itself, not on the other sections' checks"),
-    "pipeline/launch.py": ({"pipeline.memory_plan", "pipeline.ranks"},
+    "pipeline/launch/launcher.py": ({"pipeline.launch.memory_plan", "pipeline.launch.ranks"},
                            "the launcher's memory and disk check before a stage starts, and its `plan` command: "
                            "they refuse to start a stage or print a plan and change no stage's result; a stage that "
                            "plans with them imports them itself"),
@@ -136,7 +136,7 @@ def update(dvc_yaml: str | Path) -> None:
 
     from ruamel.yaml import YAML
 
-    from pipeline.io import write_text
+    from pipeline.files.atomic import write_text
 
     rt = YAML()
     rt.width = 110

@@ -1,10 +1,10 @@
-"""Where the modules of the flat ``pipeline/`` of 0.1 live now (issue 39's move), so that code written against the
+"""Where the modules of the flat ``pipeline/`` of 0.1 live now (issue 39's moves), so that code written against the
 old names keeps working: ``import pipeline.runtime_models`` gives :mod:`pipeline.runtime.models` itself (one module
 object under both names), with a ``DeprecationWarning`` that names the new home. The project's own code uses only
 the new names (``tests/test_house.py`` checks). ``pipeline.packed``, ``pipeline.hf``, ``pipeline.runtime``,
-``pipeline.sqt`` and ``pipeline.teacher`` became packages under the same names; each still answers the names the
-module had (:func:`package_getattr`), and ``python -m pipeline.hf | pipeline.runtime | pipeline.sqt |
-pipeline.teacher`` run as before.
+``pipeline.sqt``, ``pipeline.teacher``, ``pipeline.launch`` and ``pipeline.synthetic`` became packages under the same
+names; each still answers the names the module had (:func:`package_getattr`), and ``python -m pipeline.hf |
+pipeline.runtime | pipeline.sqt | pipeline.teacher | pipeline.launch | pipeline.synthetic`` run as before.
 """
 
 from __future__ import annotations
@@ -47,6 +47,16 @@ MOVED = {
     "pipeline.prompts": "pipeline.teacher.prompts",
     "pipeline.sample": "pipeline.teacher.sample",
     "pipeline.diversity": "pipeline.teacher.diversity",
+    "pipeline.synthetic_vision": "pipeline.synthetic.vision",
+    "pipeline.mllama_shape": "pipeline.synthetic.shape",
+    "pipeline.memory_plan": "pipeline.launch.memory_plan",
+    "pipeline.processes": "pipeline.launch.processes",
+    "pipeline.ranks": "pipeline.launch.ranks",
+    "pipeline.io": "pipeline.files.atomic",
+    "pipeline.shards": "pipeline.files.shards",
+    "pipeline.filehash": "pipeline.files.hashes",
+    "pipeline.precision": "pipeline.formats.precision",
+    "pipeline.images": "pipeline.teacher.images",
 }
 """Old module name -> the module that now holds the same code."""
 
@@ -56,6 +66,8 @@ PACKAGES = {
     "pipeline.runtime": ("pipeline.runtime.generation", frozenset(['DEFAULT_IMPL', 'IMPLS', 'Result', 'Sampling', 'THREADS_HELP', 'TextStream', 'available_cpus', 'begin', 'build_parser', 'check_threads', 'context_length', 'eos_ids', 'generate', 'hf_generate', 'lean_generate', 'load', 'main', 'packed_file', 'pick', 'stop_tokens'])),
     "pipeline.teacher": ("pipeline.teacher.importer", frozenset(['import_teacher', 'main'])),
     "pipeline.sqt": ("pipeline.sqt.write", frozenset(['ENGINE_DTYPES', 'export', 'main', 'resolve_model', 'standard_name'])),
+    "pipeline.launch": ("pipeline.launch.launcher", frozenset(['command', 'main', 'plan_main'])),
+    "pipeline.synthetic": ("pipeline.synthetic.text", frozenset(['BASE_STD', 'BLOCK_ELEMS', 'COL_SIGMA', 'DEFAULT_DIR', 'FORMATS', 'LINEARS', 'PRESETS', 'ROW_SIGMA', 'STUDENT_DF', 'block_rows', 'llama_config', 'main', 'stream_blocks', 'tensor_shapes', 'write_gguf', 'write_synthetic'])),
 }
 """A package that replaced a module of the same name -> (the module that holds that module's code now, the names
 code outside the project took from it)."""

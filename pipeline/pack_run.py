@@ -12,10 +12,10 @@ from pipeline.cast.fit import check_states
 from pipeline.formats import FormatBase
 from pipeline.formats.base import check_weight
 from pipeline.hf.write import write_model_dir
-from pipeline.io import atomic_dir
+from pipeline.files.atomic import atomic_dir
 from pipeline.models import dtype_of, load_config
 from pipeline.packed.checkpoint import CheckpointReader
-from pipeline.precision import Precision
+from pipeline.formats.precision import Precision
 from pipeline.cast.ptq import PackParams
 from pipeline.qat.api import convert
 from pipeline.stage import console, progress, versions

@@ -32,7 +32,7 @@ def sections() -> dict[str, Any]:
     from pipeline.eval.suite import EvalParams
     from pipeline.cast.fit import FitParams
     from pipeline.formats import check_names
-    from pipeline.processes import LaunchParams
+    from pipeline.launch.processes import LaunchParams
     from pipeline.cast.ptq import PackParams
     from pipeline.qat.train import QATParams
     from pipeline.teacher.sample import SampleParams
@@ -130,7 +130,7 @@ def apply_preset(preset: str | Path, path: str | Path = "params.yaml") -> dict[s
 
     from ruamel.yaml import YAML
 
-    from pipeline.io import write_text
+    from pipeline.files.atomic import write_text
 
     rt = YAML()
     rt.preserve_quotes = True

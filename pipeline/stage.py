@@ -48,7 +48,7 @@ def git_commit() -> str:
 
 def run_log(stage: str, **info) -> None:
     """Record what varies between runs of the same inputs (seconds, commit, load) in ``logs/<stage>.json``."""
-    from pipeline.io import write_json
+    from pipeline.files.atomic import write_json
 
     try:
         load = os.getloadavg()

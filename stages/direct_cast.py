@@ -17,7 +17,7 @@ import argparse
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline import formats, params
 from pipeline.cast.run import run
-from pipeline.processes import run_stage
+from pipeline.launch.processes import run_stage
 from pipeline.stage import stage_errors
 
 

@@ -25,7 +25,7 @@ import pipeline.toy  # noqa: F401  (registers the toy tasks and image pool)
 from pipeline import params
 from pipeline.eval.suite import EvalParams, run
 from pipeline.eval.report import write_reports
-from pipeline.processes import run_stage
+from pipeline.launch.processes import run_stage
 from pipeline.stage import console, run_log, set_threads, stage_errors
 from pipeline.teacher.source import TeacherParams
 

@@ -15,7 +15,7 @@ import argparse
 import os
 
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
-from pipeline.io import atomic_dir
+from pipeline.files.atomic import atomic_dir
 from pipeline.recipe import STUDENTS
 from pipeline.sqt.write import export
 from pipeline.sqt.blocks import SqtUnsupported

@@ -16,7 +16,7 @@ from dataclasses import asdict
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 from pipeline import formats, params
 from pipeline.cast.fit import FitParams, fit_model
-from pipeline.io import write_json
+from pipeline.files.atomic import write_json
 from pipeline.stage import console, run_log, set_threads, stage_errors, versions
 from pipeline.teacher.source import TeacherParams
 

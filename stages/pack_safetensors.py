@@ -19,7 +19,7 @@ import argparse
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 
 from pipeline import formats, params
-from pipeline.io import write_json
+from pipeline.files.atomic import write_json
 from pipeline.pack_run import pack_models
 from pipeline.cast.ptq import PackParams
 from pipeline.stage import stage_errors

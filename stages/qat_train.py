@@ -16,7 +16,7 @@ import argparse
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import pipeline.toy  # noqa: F401  (the `toy` image pool the teacher's answers refer to)
 from pipeline import formats
-from pipeline.processes import run_stage
+from pipeline.launch.processes import run_stage
 from pipeline.qat.run import run
 from pipeline.stage import stage_errors
 

@@ -13,7 +13,7 @@ import argparse
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 import pipeline.toy  # noqa: F401  (the `toy` image pool)
 from pipeline import params
-from pipeline.io import write_json
+from pipeline.files.atomic import write_json
 from pipeline.teacher.sample import SampleParams, sample_prompts
 from pipeline.stage import console, stage_errors
 from pipeline.teacher.source import TeacherParams

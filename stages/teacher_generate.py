@@ -18,8 +18,8 @@ import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same 
 import pipeline.toy  # noqa: F401  (the `toy` image pool the sampled prompts refer to)
 from pipeline import params
 from pipeline.teacher.generate_answers import GenerateParams, run
-from pipeline.io import write_json
-from pipeline.processes import run_stage
+from pipeline.files.atomic import write_json
+from pipeline.launch.processes import run_stage
 from pipeline.stage import console, run_log, set_threads, stage_errors
 from pipeline.teacher.source import TeacherParams
 

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline import params
-from pipeline.io import atomic_open, write_json
+from pipeline.files.atomic import atomic_open, write_json
 from pipeline.stage import console, run_log, set_threads, stage_errors, versions
 from pipeline.toy.model import count_parameters
 from pipeline.toy.settings import ToyTeacherParams

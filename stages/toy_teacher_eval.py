@@ -19,7 +19,7 @@ import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same 
 import pyarrow.parquet as pq
 
 from pipeline import params
-from pipeline.io import atomic_path, write_json, write_text
+from pipeline.files.atomic import atomic_path, write_json, write_text
 from pipeline.stage import console, run_log, set_threads, stage_errors
 from pipeline.toy.evaluate import MIN_AVG, MIN_TASK, evaluate_teacher
 from pipeline.toy.settings import ToyTeacherParams

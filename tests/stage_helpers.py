@@ -101,7 +101,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def run_stage_killed_after(cwd: Path, function: str, script: str, *args: str, calls: int = 1) -> subprocess.CompletedProcess:
     """Run a stage that is killed (SIGKILL) right after its ``calls``-th call of ``function`` returns (a dotted
-    name such as ``pipeline.shards.write_shard``, or ``module:Class.method`` such as
+    name such as ``pipeline.files.shards.write_shard``, or ``module:Class.method`` such as
     ``pipeline.packed.safetensors_io:StreamingWriter.write``, a kill in the middle of writing a file): a crash at a known
     point, whatever the speed of the machine."""
     proc = subprocess.run([sys.executable, "-c", _KILL_AFTER, function, str(calls), str(REPO / "stages" / script), *args],

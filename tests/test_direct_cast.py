@@ -62,7 +62,7 @@ def test_the_fingerprint_covers_weights_calibration_and_code(reference, tmp_path
 
 
 def test_large_files_are_hashed_once_per_size_and_mtime(tmp_path, monkeypatch):
-    from pipeline import filehash
+    from pipeline.files import hashes as filehash
 
     data = tmp_path / "hessians.safetensors"
     data.write_bytes(b"x" * 1000)

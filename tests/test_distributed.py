@@ -140,8 +140,8 @@ def test_bad_launch_parameters_are_one_line_naming_the_key(tmp_path, launch, mes
 
 
 def test_launch_command_starts_torchrun_for_several_processes():
-    from pipeline.launch import command
-    from pipeline.processes import LaunchParams
+    from pipeline.launch.launcher import command
+    from pipeline.launch.processes import LaunchParams
     from pipeline.params import defaults
     assert command("stages/eval.py", [], defaults(LaunchParams, "launch"))[1:] == ["stages/eval.py"]
     cmd = command("stages/qat_train.py", ["--format", "s3d8"], defaults(LaunchParams, "launch", num_processes=4))
@@ -171,8 +171,8 @@ def test_eval_on_two_processes_writes_what_one_process_writes(runs, tmp_path):
 
 
 def test_multi_node_config_builds_the_torchrun_rendezvous(monkeypatch):
-    from pipeline.launch import command
-    from pipeline.processes import LaunchParams
+    from pipeline.launch.launcher import command
+    from pipeline.launch.processes import LaunchParams
     from pipeline.params import defaults
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("MACHINE_RANK", "1")
@@ -189,11 +189,11 @@ def test_dvc_stages_that_launch_list_the_launcher_and_its_params():
     assert set(launched) == {"teacher-generate", "direct-cast", "qat-train", "eval"}
     for name, stage in launched.items():
         deps = [str(d) for d in stage["deps"]]
-        for f in project_imports("pipeline/launch.py"):
+        for f in project_imports("pipeline/launch/launcher.py"):
             assert any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps), (name, f)
     for name in ("teacher-generate", "direct-cast"):
         assert {"launch.num_processes", "launch.config_file", "launch.backend"} <= set(dvc[name]["params"])
-    from pipeline.processes import LaunchParams
+    from pipeline.launch.processes import LaunchParams
     assert {f"launch.{k}" for k in LaunchParams.__dataclass_fields__} <= set(dvc["qat-train"]["params"])
 
 
@@ -211,7 +211,7 @@ def test_a_stage_leaves_the_process_group_it_formed_also_on_error():
 
     import torch.distributed as dist
 
-    from pipeline.processes import run_stage
+    from pipeline.launch.processes import run_stage
     from pipeline.qat.distributed import init_process_group
 
     def main(fail: bool):
@@ -333,7 +333,7 @@ def test_bf16_compute_keeps_the_quantiser_in_fp32(inputs, runs, tmp_path):
 _GRAD_MEMORY = """
 import json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from pipeline.processes import LaunchParams
+from pipeline.launch.processes import LaunchParams
 from pipeline.params import defaults
 from pipeline.qat import distributed as d
 from pipeline.qat.engines import FSDP2Engine
@@ -402,7 +402,7 @@ def test_fsdp2_accumulation_matches_one_process_accumulating(inputs, tmp_path):
 
 _SHARDED_TEACHER = """
 import json, sys, torch
-from pipeline.processes import LaunchParams
+from pipeline.launch.processes import LaunchParams
 from pipeline.params import defaults
 from pipeline.qat import engines as E
 

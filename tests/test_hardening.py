@@ -18,11 +18,11 @@ from PIL import Image
 
 from pipeline import formats
 from pipeline.packed.checkpoint import CheckpointReader
-from pipeline.images import load_image
+from pipeline.teacher.images import load_image
 from pipeline.models import load_model
 from pipeline.packed.file import load_packed_model, write_packed
 from pipeline.teacher.answers import collate, Example, load_examples
-from pipeline.shards import write_shard
+from pipeline.files.shards import write_shard
 from tests.conftest import tiny_inputs
 from tests.test_packed import fit_all
 

@@ -249,7 +249,7 @@ def test_a_precision_plan_loads_through_transformers_and_saves_back(teacher, tmp
     says so, from_pretrained loads each weight in its format (the QAT forward's numbers with kernel torch, the
     native kernels by default) and save_pretrained writes the same bytes back."""
     from pipeline.native import Int8Linear, S3D8Linear
-    from pipeline.precision import Precision
+    from pipeline.formats.precision import Precision
 
     fmt = formats.get("s3d8")
     states, _ = fit_model(fmt, str(teacher))

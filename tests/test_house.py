@@ -181,5 +181,5 @@ def test_old_module_names_still_import(recwarn):
         assert "no_such_name" in str(e)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
-    for package in ("hf", "runtime", "sqt", "teacher"):
+    for package in ("hf", "runtime", "sqt", "teacher", "launch", "synthetic"):
         assert (ROOT / "pipeline" / package / "__main__.py").is_file()

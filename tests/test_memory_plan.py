@@ -1,4 +1,4 @@
-"""The memory plan (pipeline/memory_plan.py, ``python -m pipeline.launch plan``): terms per stage and phase from the
+"""The memory plan (pipeline/launch/memory_plan.py, ``python -m pipeline.launch plan``): terms per stage and phase from the
 params and the teacher's config, the check that names what does not fit, and the launcher's refusal."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import memory_plan, params
+from pipeline import params
+from pipeline.launch import memory_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,7 +152,7 @@ def test_the_plan_and_the_launcher_refuse_a_run_the_disk_cannot_hold(tmp_path, t
     the launcher refuses qat-train and starts pack-safetensors, whose outputs fit."""
     import shutil
 
-    from pipeline import launch
+    from pipeline.launch import launcher as launch
 
     path = _params(tmp_path, Path(tiny_checkpoint), qat={"steps": 100, "checkpoint_every": 25}, formats=["s3d8"])
     phases = memory_plan.plan(params.read(path))
@@ -191,7 +192,7 @@ def test_the_plan_names_the_model_of_the_preset_it_was_given(tmp_path, tiny_chec
 
     import huggingface_hub
 
-    from pipeline import launch
+    from pipeline.launch import launcher as launch
     from pipeline.models import load_config
 
     toy = tmp_path / "teacher"
@@ -231,7 +232,7 @@ def test_the_plan_names_the_model_of_the_preset_it_was_given(tmp_path, tiny_chec
 def test_the_plan_gives_each_wait_for_rank_0_a_timeout_from_its_bytes():
     from datetime import timedelta
 
-    from pipeline import ranks
+    from pipeline.launch import ranks
 
     p, config, counts = _preset_11b()
     lines = ranks.planned_waits(p, counts)

@@ -1,4 +1,4 @@
-"""The precision plan (a format per weight: ``pipeline.precision``), INT8's packed layout, and the sequential cast
+"""The precision plan (a format per weight: ``pipeline.formats.precision``), INT8's packed layout, and the sequential cast
 (``pipeline.cast.sequential``): each matrix's X^T X taken from the model whose earlier matrices are already cast."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pipeline.cast import ptq, sequential
 from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.models import load_model, meta_model, quantised_weight_names, states_by_module
 from pipeline.packed.file import load_packed_model, read_metadata, write_packed
-from pipeline.precision import Precision, check_rules, parse_rules
+from pipeline.formats.precision import Precision, check_rules, parse_rules
 from pipeline.qat.api import prepare
 from tests.conftest import tiny_inputs
 

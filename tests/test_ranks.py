@@ -1,4 +1,4 @@
-"""Ranks that wait for one another (``pipeline.ranks``) on CPU processes (gloo) under torchrun, with a collective
+"""Ranks that wait for one another (``pipeline.launch.ranks``) on CPU processes (gloo) under torchrun, with a collective
 timeout of 2 s and one rank's work made longer than it: the waits of eval, teacher-generate and qat-train end,
 where the collectives they replaced time out."""
 
@@ -21,8 +21,8 @@ TIMEOUT = {"timeout_s": 2}
 _COLLECT = """
 import json, sys, time
 import torch.distributed as dist
-from pipeline import ranks
-from pipeline.processes import settings
+from pipeline.launch import ranks
+from pipeline.launch.processes import settings
 ranks.init_process_group(settings())
 rank = dist.get_rank()
 if rank == 1:
@@ -41,7 +41,7 @@ if got is not None and rank == 0:
 # qat-train's reads on rank 0 (the sharded teacher and the fp32 student): each made 3 s long
 _QAT_LOAD = """
 import json, time, torch
-from pipeline.processes import settings
+from pipeline.launch.processes import settings
 from pipeline.qat import engines as E
 load = E.load_model
 def slow(*args, **kwargs):

@@ -379,7 +379,7 @@ def test_cli_end_to_end_on_a_tiny_teacher(teacher, tmp_path):
     pytest.importorskip("llama_cpp")
     import pyarrow as pa
 
-    from pipeline.shards import write_shard
+    from pipeline.files.shards import write_shard
 
     _, _, teacher_dir = teacher
     rows = [(i, [1, 5 + i, 9, 12], [20, 31 - i, 7, 2]) for i in range(4)]

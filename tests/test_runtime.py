@@ -14,7 +14,7 @@ from pipeline import formats, native
 from pipeline.runtime import generation as runtime, models as runtime_models
 from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.formats import s3d8 as s3d8_format
-from pipeline.synthetic import llama_config, write_gguf, write_synthetic
+from pipeline.synthetic.text import llama_config, write_gguf, write_synthetic
 from tests.conftest import tiny_inputs
 
 

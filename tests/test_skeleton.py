@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from pipeline.bench import skeleton_11b_steps as S  # noqa: E402
 
-from pipeline import memory_plan  # noqa: E402
+from pipeline.launch import memory_plan  # noqa: E402
 
 
 def test_count_params_matches_a_built_model():

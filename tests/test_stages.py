@@ -66,7 +66,7 @@ def test_sample_prompts_is_deterministic(chain, tmp_path, teacher):
 def test_teacher_generate_resumes_after_a_kill(chain, tmp_path, teacher):
     cwd = workdir(tmp_path, teacher)
     shutil.copytree(chain / "data/sampled", cwd / "data/sampled")
-    run_stage_killed_after(cwd, "pipeline.shards.write_shard", "teacher_generate.py")
+    run_stage_killed_after(cwd, "pipeline.files.shards.write_shard", "teacher_generate.py")
     work = cwd / "checkpoints/teacher-generate"
     done = sorted(p.name for p in work.glob("shard-*.parquet"))
     assert done == ["shard-00000.parquet"], done
@@ -282,7 +282,7 @@ def test_every_output_is_byte_reproducible(chain, tmp_path, teacher):
 
 @pytest.mark.parametrize("stage, function, calls", [
     (("fit_centroids.py", "--format", "s3d8"), "pipeline.packed.safetensors_io:StreamingWriter.write", 3),
-    (("sample_prompts.py",), "pipeline.shards.write_shard", 1),
+    (("sample_prompts.py",), "pipeline.files.shards.write_shard", 1),
     (("pack_safetensors.py", "--format", "s3d8"), "pipeline.packed.safetensors_io:StreamingWriter.write", 5),
 ])
 def test_a_kill_inside_a_write_leaves_nothing_and_a_rerun_gives_the_same_outputs(chain, tmp_path, teacher,

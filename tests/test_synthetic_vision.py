@@ -1,4 +1,4 @@
-"""The synthetic Llama 3.2 11B Vision (``pipeline.synthetic_vision``) at toy size: every tensor of the Mllama config
+"""The synthetic Llama 3.2 11B Vision (``pipeline.synthetic.vision``) at toy size: every tensor of the Mllama config
 written straight into packed files under the precision plan, loadable by the runtime like any packed model, and
 the vision benchmark (``pipeline.bench.generate --models synthetic-vision-tiny``) that measures one image and a
 question on it."""
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from pipeline import native
-from pipeline.mllama_shape import skeleton_config
+from pipeline.synthetic.shape import skeleton_config
 from pipeline.packed.file import read_metadata
-from pipeline.synthetic_vision import PRESETS, tensors, write_vision
+from pipeline.synthetic.vision import PRESETS, tensors, write_vision
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from pipeline.teacher import gguf_import  # noqa: E402
-from pipeline.shards import file_sha256  # noqa: E402
+from pipeline.files.shards import file_sha256  # noqa: E402
 from pipeline.teacher.importer import import_teacher, main  # noqa: E402
 from pipeline.teacher.source import K_MAX, SourceError  # noqa: E402
 

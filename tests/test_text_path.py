@@ -58,7 +58,7 @@ def test_sample_and_generate_text_prompts(tmp_path, teacher_dir, tokenizer):
     from pipeline.teacher import generate_answers as generate
     from pipeline.params import defaults
     from pipeline.teacher.sample import SampleParams, sample_prompts
-    from pipeline.shards import read_shard
+    from pipeline.files.shards import read_shard
     from pipeline.teacher.source import TeacherParams
 
     tp = defaults(TeacherParams, "teacher", source="unused", dir=str(teacher_dir), name="tiny")

@@ -16,7 +16,7 @@ from pipeline import params
 from pipeline.bench import BenchParams
 from pipeline.bench.kernels import run
 from pipeline.bench.kernels_report import write_reports
-from pipeline.io import write_json
+from pipeline.files.atomic import write_json
 from pipeline.stage import console, run_log, stage_errors
 
 STAGE_DOC = "DVC stage arm-bench: the paper's kernel table (SPEC section 8) measured on this machine."

@@ -17,7 +17,7 @@ import time
 import torch
 
 from pipeline.formats import s3d8
-from pipeline.io import write_json
+from pipeline.files.atomic import write_json
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import torch
 from pipeline import formats
 from pipeline.bench import machine, vision
 from pipeline.formats import BF16_BASELINE, INT8_BASELINE, SUBJECT
-from pipeline.io import atomic_path, write_json, write_text
+from pipeline.files.atomic import atomic_path, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SYNTH_DIR = ROOT / "models" / "synthetic"
@@ -71,7 +71,7 @@ def toy_packed(fmt_name: str = SUBJECT) -> Path:
 
 
 def model_file(model: str, fmt: str) -> Path:
-    from pipeline.synthetic_vision import PRESETS as VISION, write_vision
+    from pipeline.synthetic.vision import PRESETS as VISION, write_vision
 
     if Path(model).exists():                # a packed file or directory of the user's (pack-safetensors, s3d8 pack)
         return Path(model)
@@ -82,7 +82,7 @@ def model_file(model: str, fmt: str) -> Path:
         return toy_packed(fmt)
     path = SYNTH_DIR / model / f"{fmt}.safetensors"
     if not path.exists():
-        from pipeline.synthetic import write_synthetic
+        from pipeline.synthetic.text import write_synthetic
         write_synthetic(model, SYNTH_DIR)
     return path
 
@@ -96,7 +96,7 @@ def model_formats(model: str, wanted: list[str]) -> tuple[list[str], str | None]
 
         return [read_metadata(packed_file(model)).get("format", "?")], None
     if model in vision.VISION_PRESETS:
-        from pipeline.synthetic_vision import FILES
+        from pipeline.synthetic.vision import FILES
 
         can, why = set(FILES), f"its writer makes {', '.join(FILES)}"
     elif model == "toy":
@@ -119,7 +119,7 @@ def gguf_file(model: str, qtype: str, threads: int = 2) -> Path:
     import ctypes
 
     import llama_cpp
-    from pipeline.synthetic import write_gguf
+    from pipeline.synthetic.text import write_gguf
 
     ftype, embd, stem = llama_cpp_type(qtype)
     folder = SYNTH_DIR / model
@@ -399,7 +399,7 @@ def _n_params(model: str) -> int | None:
         return sum(math.prod(s) for n, s in vision.tensor_shapes(model).items() if len(s) == 2)
     if model == "toy" or Path(model).exists():
         return None
-    from pipeline.synthetic import PRESETS, tensor_shapes
+    from pipeline.synthetic.text import PRESETS, tensor_shapes
     return sum(math.prod(s) for s in tensor_shapes(PRESETS[model]).values() if len(s) == 2)
 
 

@@ -191,7 +191,7 @@ def qat_check(preset: str, steps: int, batch: int, seq: int, phases: Phases, cas
     from pipeline.bench import skeleton_11b_steps as S
     from pipeline import formats
     from pipeline.cast.direct import DirectCast
-    from pipeline.processes import LaunchParams
+    from pipeline.launch.processes import LaunchParams
     from pipeline.params import defaults
     from pipeline.models import load_processor
 

@@ -69,9 +69,9 @@ def cast_check(preset: str, algorithm: str, device, phases, compare: bool = True
     from pipeline.bench import skeleton_11b_steps as S
     from pipeline import formats
     from pipeline.cast import direct as direct_cast
-    from pipeline.precision import Precision
+    from pipeline.formats.precision import Precision
     from pipeline.packed.checkpoint import CheckpointReader
-    from pipeline.io import atomic_dir
+    from pipeline.files.atomic import atomic_dir
 
     d = S.dirs(preset)
     fmt = formats.get(formats.SUBJECT)

@@ -11,7 +11,7 @@ from pipeline import native
 from pipeline.bench import PAPER_SHAPES, BenchParams
 from pipeline.formats import BF16_BASELINE, INT8_BASELINE, SUBJECT
 from pipeline.bench.kernels import OP_NAMES, best, metrics, rec
-from pipeline.io import atomic_path, write_json, write_text
+from pipeline.files.atomic import atomic_path, write_json, write_text
 from pipeline.stage import versions
 
 TARGETS = [  # (summary key, threshold, text)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pipeline.bench import generate
-from pipeline.io import atomic_path
+from pipeline.files.atomic import atomic_path
 
 # the types the issue names (each also with the token embedding at its type)
 REQUIRED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K_M", "Q3_K_S", "Q2_K")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeline import texts
-from pipeline.io import write_json, write_text
+from pipeline.files.atomic import write_json, write_text
 
 
 def measure(text_path: Path, teacher_dir: Path, packed_root: str, ggufs: list[str], tokens: int, window: int,

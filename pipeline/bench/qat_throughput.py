@@ -31,7 +31,7 @@ from pipeline.cast import ptq
 from pipeline.bench import machine
 from pipeline.cast.calibrate import CALIBRATION, Calibration
 from pipeline.cast.fit import check_states
-from pipeline.io import write_json, write_text
+from pipeline.files.atomic import write_json, write_text
 from pipeline.models import dtype_of, load_config, load_model, load_processor, token_ids
 from pipeline.teacher.answers import batch_indices, collate, load_examples, sequence_lengths, split_heldout
 from pipeline.divergence import kl_sum

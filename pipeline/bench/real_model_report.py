@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.bench import generate
 from pipeline.formats import INT8_BASELINE, SUBJECT
-from pipeline.io import atomic_path, write_json, write_text
+from pipeline.files.atomic import atomic_path, write_json, write_text
 
 GOAL_MAX_BITS = 5.5          # llama.cpp files S3D8+QAT is compared with
 GOAL_SIZE_FRACTION = 0.5     # ... at this fraction of their size or less

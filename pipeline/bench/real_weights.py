@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from pipeline import formats
+from pipeline.bench import machine
 from pipeline.cast import ptq
 from pipeline.formats import numerics
 from pipeline.bench.real_weights_report import DEFAULT_ALGORITHM, ALGORITHMS, markdown, summarise
@@ -289,6 +290,7 @@ def main() -> None:
               "calibration_seconds": round(calib_s, 2), "gaussian_reference": reference,
               "kurtosis": kurtosis(state, args.layers),
               "summary": summary, "rows": rows,
+              "machine": machine.describe(),
               "versions": {"torch": torch.__version__, "python": platform.python_version()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -3,6 +3,7 @@ errors of each format and algorithm, the bars, the cost, and notes (``reports/re
 
 from __future__ import annotations
 
+from pipeline.bench import machine
 from pipeline.cast import ptq
 from pipeline.formats import SUBJECT
 from pipeline.params import defaults
@@ -65,6 +66,7 @@ def markdown(result) -> str:
              f"{result['sequences']} calibration and {result['sequences']} held-out "
              f"{result.get('text', 'antibody-like sequences')}; "
              f"one thread. Written by `python -m pipeline.bench.real_weights`.", "",
+             f"Machine: {machine.line(result['machine'])}." if "machine" in result else "Machine: not recorded.", "",
              "## Weight error ||W - Q(W)||^2 / ||W||^2 (energy-weighted per kind)", "",
              "| kind | " + " | ".join(f"{f} absmax | {f} search" for f in fmts) + " |",
              "| --- |" + " --- |" * (2 * len(fmts))]
@@ -105,7 +107,7 @@ def markdown(result) -> str:
         if not all("output" in c.get(f"{f}/{m}", {}) for f in fmts for m in ALGORITHMS):
             continue
         lines.append(f"| {kind} | " + " | ".join(f"{c[f'{f}/{m}']['output']:.4f}" for f in fmts for m in ALGORITHMS) + " |")
-    lines += ["", "## Cost (all matrices above, one thread; gptq includes its search_w)", "",
+    lines += ["", "## Cost (all matrices above, one thread; each includes the absmax fit it starts from, gptq its own search_w)", "",
               "| format | algorithm | seconds | peak extra MiB (one matrix) |", "| --- | --- | --- | --- |"]
     for f in fmts:
         for m in ALGORITHMS:
@@ -114,7 +116,7 @@ def markdown(result) -> str:
             lines.append(f"| {f} | {m} | {sec:.1f} | {mib} |")
     lines.append(f"\nCalibration (two passes of {result['sequences']} sequences, Hessians kept): "
                  f"{result['calibration_seconds']} s.")
-    lines += ["", "Seconds and memory are per-process measurements on a shared 2-core machine (one torch thread): "
+    lines += ["", "Seconds and memory are per-process measurements on the machine above (one torch thread): "
               "expect noise. Peak extra MiB is the growth of the resident set while an algorithm runs, a lower "
               "bound (the allocator reuses freed pages); the working set of `search` is a few float32 copies "
               "of the matrix plus bounded encoder blocks (32 MiB), that of `gptq` adds the d_in x d_in Hessian "

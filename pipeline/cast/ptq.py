@@ -40,7 +40,7 @@ from typing import Literal, get_args
 import torch
 
 from pipeline.formats.base import FormatBase, State, check_weight
-from pipeline.precision import check_rules
+from pipeline.formats.precision import check_rules
 
 Algorithm = Literal["absmax", "search", "gptq"]
 ALGORITHMS = get_args(Algorithm)
@@ -51,7 +51,7 @@ class PackParams:
     """The ``pack`` section of ``params.yaml``: read by direct-cast, qat-train (the algorithm) and pack-safetensors."""
     dtype: str                  # of the tensors that are not quantised
     algorithm: Algorithm        # the direct cast's post-training algorithm
-    precision: dict[str, str]   # the precision plan: {regex on the weight name: format} (pipeline.precision)
+    precision: dict[str, str]   # the precision plan: {regex on the weight name: format} (pipeline.formats.precision)
 
     def __post_init__(self) -> None:
         check_rules(self.precision)

@@ -13,20 +13,21 @@ from pathlib import Path
 
 import torch
 
-from pipeline import cpu_numerics, ranks
+from pipeline import cpu_numerics
+from pipeline.launch import ranks
 from pipeline.teacher.answers import model_inputs
 from pipeline.cast.calibrate import CALIBRATION, Calibration, calibration_fingerprint, calibration_inputs
 from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.cast.direct import (cast_fingerprint, cast_group, cast_in_order, deal, finished, gptq_cost, group_of,
                                   write_index)
-from pipeline.filehash import file_hash
+from pipeline.files.hashes import file_hash
 from pipeline.cast.fit import check_states
 from pipeline.formats import FormatBase
 from pipeline.formats.base import check_weight
-from pipeline.io import atomic_dir
+from pipeline.files.atomic import atomic_dir
 from pipeline.models import load_config, load_model, load_processor, meta_model, quantised_weight_names, token_ids
-from pipeline.precision import Precision
-from pipeline.processes import device, settings
+from pipeline.formats.precision import Precision
+from pipeline.launch.processes import device, settings
 from pipeline.stage import console, progress, run_log, set_threads, versions
 from pipeline.teacher.source import local_dir
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 
 from pipeline import formats
 from pipeline.texts import corpus_info
-from pipeline.io import atomic_dir, atomic_path, write_json, write_text
+from pipeline.files.atomic import atomic_dir, atomic_path, write_json, write_text
 
 # SPEC section 6: Llama 3.2 11B Vision Instruct, published.
 PUBLISHED = [

@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 
 from pipeline.chat import chat_prompt
 from pipeline.eval.tasks import DEFAULT_N, EvalExample, family_of, load_task, score, score_cleaned
-from pipeline.io import atomic_path
+from pipeline.files.atomic import atomic_path
 
 # Generous caps (generation stops when every sequence in a batch has ended); a broken model pays them.
 MAX_NEW_TOKENS = {"vqa": 16, "chartqa": 32, "docvqa": 24, "ai2d": 8}

@@ -9,12 +9,13 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from pipeline import formats, ranks
+from pipeline import formats
+from pipeline.launch import ranks
 from pipeline.chat import is_text_only
 from pipeline.eval.kl import HeldoutKL
 from pipeline.eval.runner import evaluate
 from pipeline.eval.tasks import family_of, load_task
-from pipeline.processes import settings as launch_settings
+from pipeline.launch.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor, token_ids
 from pipeline.packed.file import load_packed_model, read_metadata
 from pipeline.packed.modules import DECODES, check_kernel
@@ -22,7 +23,7 @@ from pipeline.section import non_negative, positive
 from pipeline.teacher.answers import load_examples, split_heldout
 from pipeline.recipe import STUDENTS
 from pipeline.stage import console
-from pipeline.teacher.source import TeacherParams, local_dir
+from pipeline.teacher.source import TeacherParams, local_dir, teacher_bytes
 
 
 @dataclass
@@ -66,10 +67,10 @@ def _jobs(fmts: list[str], blind: bool) -> list[_Job]:
     return jobs + [_Job(f"{f}-{m}", f, m) for f in fmts for m in STUDENTS]
 
 
-def _model_of(job: _Job, p: EvalParams, teacher, teacher_bytes: int, device):
+def _model_of(job: _Job, p: EvalParams, teacher, teacher_size: int, device):
     """``(model, bpp, size_mb)`` of a job: the teacher itself, or a packed model loaded as ``p`` says."""
     if job.method in ("teacher", "blind"):
-        return teacher, 16.0, teacher_bytes / 1e6
+        return teacher, 16.0, teacher_size / 1e6
     fmt = formats.get(job.fmt)
     path = packed_path(job.fmt, job.method)
     bpp, size_mb = float(read_metadata(path)["bits_per_param_nominal"]), path.stat().st_size / 1e6
@@ -88,7 +89,7 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
 
     Under a launcher (``launch.num_processes`` > 1) the models are dealt round-robin to the ranks (each rank
     holds the teacher, for the KL); rank 0 returns the whole result, gathered in the one-process order, the
-    others None as soon as their models are scored (``pipeline.ranks.collect``: no rank waits in a collective
+    others None as soon as their models are scored (``pipeline.launch.ranks.collect``: no rank waits in a collective
     for another's model). Each model is scored exactly as on one process. Models run on the rank's GPU when
     there is one (``eval.kernel: native`` is the CPU's)."""
     from accelerate import PartialState
@@ -107,10 +108,10 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: packed model not found (run pack-safetensors for {fmt.name})")
     teacher_dir = str(local_dir(teacher_p.dir))            # resolved once (a hub id: its cached snapshot)
-    teacher_bytes = sum(f.stat().st_size for f in Path(teacher_dir).glob("*.safetensors"))
+    teacher_size = teacher_bytes(teacher_dir)
     processor = load_processor(teacher_dir)
     if is_text_only(processor):
-        return _run_text(p, teacher_p, teacher_dir, teacher_bytes, chosen, heldout, teacher_data, processor, state)
+        return _run_text(p, teacher_p, teacher_dir, teacher_size, chosen, heldout, teacher_data, processor, state)
     if not p.tasks:
         raise ValueError("eval.tasks: name at least one task")
     for task in p.tasks:
@@ -124,7 +125,7 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
     for job in jobs[state.process_index::state.num_processes]:
         console.print(f"eval: {job.name}" + (" (blank images)" if job.method == "blind" else "")
                       + (f" on rank {state.process_index}" if state.num_processes > 1 else ""))
-        model, bpp, size_mb = _model_of(job, p, teacher, teacher_bytes, device)
+        model, bpp, size_mb = _model_of(job, p, teacher, teacher_size, device)
         result = evaluate(model, processor, tasks, batch_size=p.batch_size, progress=job.method != "blind",
                           blank_image=job.method == "blind")
         scores = {t: float(s) for t, s in result.scores.items()}
@@ -150,7 +151,7 @@ def run(p: EvalParams, teacher_p: TeacherParams, fmts: list[str], heldout: int,
     return {"models": models, "scores_cleaned": cleaned}, baselines, answers
 
 
-def _run_text(p: EvalParams, teacher_p: TeacherParams, teacher_dir: str, teacher_bytes: int, chosen: list, heldout: int,
+def _run_text(p: EvalParams, teacher_p: TeacherParams, teacher_dir: str, teacher_size: int, chosen: list, heldout: int,
               teacher_data: str, tokenizer, state) -> tuple[dict, dict, dict[str, pa.Table]]:
     """A text-only teacher: per model KL to the teacher and top-1 agreement on the held-out teacher answers,
     perplexity on the held-out corpus (:mod:`pipeline.eval.text`), and a greedy generation sample for the first
@@ -171,7 +172,7 @@ def _run_text(p: EvalParams, teacher_p: TeacherParams, teacher_dir: str, teacher
     models, answers = {}, {}
     for job in _jobs([f.name for f in chosen], blind=False):
         console.print(f"eval: {job.name}")
-        model, bpp, size_mb = _model_of(job, p, teacher, teacher_bytes, device)
+        model, bpp, size_mb = _model_of(job, p, teacher, teacher_size, device)
         scores = reference.score(hf_logits_fn(model))
         with torch.inference_mode():
             out = model.generate(input_ids=prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),

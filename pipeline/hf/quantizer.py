@@ -50,7 +50,7 @@ from pipeline.hf.config import (BASE_MODEL_TYPES, INDEX_NAME, QUANT_FORMAT, guar
                                 saved_config)
 from pipeline.models import checkpoint_names
 from pipeline.packed.file import PACKED_VERSION, packed_format, plan_packed, read_metadata
-from pipeline.precision import file_formats
+from pipeline.formats.precision import file_formats
 from pipeline.packed.modules import DECODES, check_kernel, packed_layer
 from pipeline.recipe import replace
 from pipeline.packed.safetensors_io import TORCH_DTYPES, PrivateBlock, tensor_specs

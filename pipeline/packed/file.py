@@ -24,7 +24,7 @@ from pipeline.packed.checkpoint import CheckpointReader
 from pipeline.formats import FormatBase
 from pipeline.models import checkpoint_names, meta_model
 from pipeline.packed.modules import DECODES, check_finite, check_kernel, packed_layer
-from pipeline.precision import file_formats
+from pipeline.formats.precision import file_formats
 from pipeline.recipe import quantised_modules, replace
 from pipeline.packed.safetensors_io import DTYPES, StreamingWriter
 

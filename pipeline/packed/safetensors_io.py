@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.io import atomic_path
+from pipeline.files.atomic import atomic_path
 
 DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pipeline.formats import FormatBase, State
-from pipeline.precision import Precision
+from pipeline.formats.precision import Precision
 from pipeline.qat.engines import QAT_STATE
 from pipeline.qat.modules import QuantEmbedding, QuantLinear
 from pipeline.recipe import quantised_modules, replace

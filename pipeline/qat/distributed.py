@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.models import sharding_units
-from pipeline.processes import device
+from pipeline.launch.processes import device
 from pipeline.recipe import Quantised
 
 META = "meta.json"
@@ -46,7 +46,7 @@ class ReshardError(ValueError):
 
 def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
     """Join the ranks torchrun started, or form a group of one (a single process runs FSDP2 too); ``timeout``
-    bounds every collective (``pipeline.ranks``)."""
+    bounds every collective (``pipeline.launch.ranks``)."""
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline import ranks
-from pipeline.io import atomic_dir
-from pipeline.processes import LaunchParams
+from pipeline.launch import ranks
+from pipeline.files.atomic import atomic_dir
+from pipeline.launch.processes import LaunchParams
 from pipeline.models import load_config, load_model, meta_model
 from pipeline.qat.modules import _FakeQuant
+from pipeline.teacher.source import teacher_bytes
 from pipeline.packed.safetensors_io import write_tensors
 
 
@@ -187,7 +188,7 @@ class FSDP2Engine:
         self.teacher_dtype = dtype
         if self.launch.teacher != "shard":
             return load_model(source, dtype).to(self.device)
-        full = ranks.on_rank0(self.launch, ranks.teacher_bytes(source), lambda: load_model(source, dtype))
+        full = ranks.on_rank0(self.launch, teacher_bytes(source), lambda: load_model(source, dtype))
         model = meta_model(load_config(source), dtype).eval()
         self.d.shard(model)
         self.d.fill_from_rank0(model, full, self.device)
@@ -206,7 +207,7 @@ class FSDP2Engine:
             return full
 
         # rank 0 reads the teacher's files and, with qat.init ptq, the cast's fp32 masters (twice their bf16 bytes)
-        full = ranks.on_rank0(launch, 3 * ranks.teacher_bytes(source), read)
+        full = ranks.on_rank0(launch, 3 * teacher_bytes(source), read)
         student = meta_model(load_config(source), torch.float32)
         quantise(student)
         train_mode(student, launch)

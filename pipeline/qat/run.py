@@ -16,12 +16,12 @@ from pipeline.chat import is_text_only, tokenizer_of
 from pipeline.cast.direct import INDEX, DirectCast
 from pipeline.cast.fit import check_states
 from pipeline.formats import FormatBase
-from pipeline.io import write_json
+from pipeline.files.atomic import write_json
 from pipeline.models import load_config, load_processor, token_ids
-from pipeline.precision import Precision
+from pipeline.formats.precision import Precision
 from pipeline.cast.ptq import PackParams
 from pipeline.qat.train import QATParams, train
-from pipeline.shards import file_hash, fingerprint, shard_paths
+from pipeline.files.shards import file_hash, fingerprint, shard_paths
 from pipeline.stage import run_log, set_threads
 from pipeline.teacher.source import TeacherParams, local_dir
 

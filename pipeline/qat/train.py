@@ -23,8 +23,8 @@ from typing import Callable, Literal
 import torch
 
 from pipeline.formats import FormatBase
-from pipeline.processes import LaunchParams
-from pipeline.processes import settings as launch_settings
+from pipeline.launch.processes import LaunchParams
+from pipeline.launch.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_processor, quantised_weight_names, states_by_module
 from pipeline.section import bounded, non_negative, positive
 from pipeline.qat.api import prepare
@@ -32,7 +32,7 @@ from pipeline.qat.distributed import ReshardError
 from pipeline.teacher.answers import Example, batch_indices, collate, sequence_lengths
 from pipeline.divergence import kl_sum
 from pipeline.qat.engines import AccelerateEngine, FSDP2Engine
-from pipeline.precision import Precision
+from pipeline.formats.precision import Precision
 from pipeline.qat.modules import learned_scale
 from pipeline.recipe import Quantised, quantised_modules
 from pipeline.stage import console, progress

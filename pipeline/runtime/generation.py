@@ -6,7 +6,7 @@ Two kinds of packed file run here:
   ``load_packed_model(path, kernel="native")`` (every Linear of the language and vision models, the
   projector and ``lm_head`` is a ``native.S3D8Linear``), its embedding the format's row embedding
   (:class:`~pipeline.native.S3D8RowEmbedding`: decodes only the looked-up rows);
-- text-only Llama files (``pipeline/synthetic.py``: ``s3d8``, and the ``int8`` / ``bf16`` baselines),
+- text-only Llama files (``pipeline/synthetic/text.py``: ``s3d8``, and the ``int8`` / ``bf16`` baselines),
   run by :class:`~pipeline.runtime.models.LeanLlama`, a small Llama decoder of our own over the packed tensors (or, with
   ``impl="hf"``, by Hugging Face's ``LlamaForCausalLM`` with the same native modules swapped in).
 

@@ -19,7 +19,7 @@ from pipeline import formats, native
 from pipeline.runtime import decode_step
 
 from pipeline.packed import safetensors_io
-from pipeline.precision import KEEP, file_formats
+from pipeline.formats.precision import KEEP, file_formats
 
 
 class RuntimeInputError(ValueError):

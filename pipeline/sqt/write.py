@@ -51,7 +51,7 @@ import torch
 from pipeline.packed import layout
 from pipeline.formats.int8 import LAYOUT as INT8_LAYOUT
 from pipeline.packed.layout import TABLE_SHAPE
-from pipeline.precision import file_formats
+from pipeline.formats.precision import file_formats
 from pipeline.sqt.blocks import model_config_of, config_block, tokenizer_dir, vocab_block
 from pipeline.sqt.container import DEFAULT_ALIGNMENT, MAGIC, PREFIX_BYTES, VERSION, FORCE_BF16, Entry, SqtError, align
 from pipeline.sqt.read import read_sqt, summary

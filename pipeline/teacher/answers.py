@@ -22,7 +22,7 @@ from transformers.models.mllama.processing_mllama import (
 )
 
 from pipeline.chat import is_text_only, tokenizer_of
-from pipeline.images import load_image
+from pipeline.teacher.images import load_image
 
 COLUMNS = ["index", "image_ref", "prompt_ids", "response_ids"]
 
@@ -43,7 +43,7 @@ def load_examples(directory: str | Path, vocab_size: int | None = None) -> list[
     ``ValueError`` naming the shard file and the row."""
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size: expected a whole number >= 1, got {vocab_size!r}")
-    from pipeline.shards import read_shard, shard_paths     # pyarrow, an extra: collate and the rest are core
+    from pipeline.files.shards import read_shard, shard_paths     # pyarrow, an extra: collate and the rest are core
 
     examples = []
     for path in shard_paths(directory):

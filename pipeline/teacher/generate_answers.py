@@ -7,7 +7,7 @@ keeps every shard whose fingerprint matches, so a killed run resumes where it st
 the output directory is assembled whole from them: it never holds a partial or stray file, and DVC's run
 cache can restore it like any other output. Pending shards are dealt to the processes under ``accelerate``; a
 process without one (or done with its own) hands over and leaves, and rank 0 assembles the output once every
-process has (``pipeline.ranks.collect``: no rank waits in a collective while another generates).
+process has (``pipeline.launch.ranks.collect``: no rank waits in a collective while another generates).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import torch
 
 from pipeline.chat import is_text_only, tokenizer_of
 from pipeline.teacher.diversity import diversity
-from pipeline.images import load_image
-from pipeline import ranks
-from pipeline.io import atomic_dir
-from pipeline.processes import settings as launch_settings
+from pipeline.teacher.images import load_image
+from pipeline.launch import ranks
+from pipeline.files.atomic import atomic_dir
+from pipeline.launch.processes import settings as launch_settings
 from pipeline.models import dtype_of, load_model, load_processor
 from pipeline.section import bounded, non_negative, positive
 from pipeline.runtime.generation import eos_ids
-from pipeline.shards import file_hash, fingerprint, read_shard, shard_paths, write_shard
+from pipeline.files.shards import file_hash, fingerprint, read_shard, shard_paths, write_shard
 from pipeline.stage import console, progress, versions
 from pipeline.teacher.source import TeacherParams, local_dir
 

@@ -96,7 +96,7 @@ def import_teacher(source: str, out: str | Path, rotate: str = "none", rotate_se
     with ``rotate`` (``orthogonal`` or ``hadamard``) its residual stream rotated (:mod:`pipeline.cast.rotate`: the same
     function, its matrices easier to quantise), written in float32, the exact rotated model. Returns the provenance
     record it also writes as ``teacher_import.json``."""
-    from pipeline.io import atomic_dir, write_json
+    from pipeline.files.atomic import atomic_dir, write_json
     from pipeline.cast.rotate import KINDS
 
     if rotate not in KINDS:
@@ -125,7 +125,7 @@ def import_teacher(source: str, out: str | Path, rotate: str = "none", rotate_se
             record["tools"] = _tool_versions()
             write_json(tmp / PROVENANCE, record)
         return record
-    from pipeline.shards import file_sha256      # pyarrow: not needed to run a packed model
+    from pipeline.files.shards import file_sha256      # pyarrow: not needed to run a packed model
 
     record.update({"kind": "gguf", "file": path.name, "sha256": file_sha256(path)})
     with atomic_dir(out) as tmp:

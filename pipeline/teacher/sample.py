@@ -9,12 +9,12 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipeline.chat import is_text_only
-from pipeline.images import image_refs
-from pipeline.io import atomic_dir
+from pipeline.teacher.images import image_refs
+from pipeline.files.atomic import atomic_dir
 from pipeline.models import load_processor
 from pipeline.section import positive
 from pipeline.teacher.prompts import SamplerParams, load_pool, render, sample
-from pipeline.shards import write_shard
+from pipeline.files.shards import write_shard
 from pipeline.stage import versions
 from pipeline.teacher.source import TeacherParams
 

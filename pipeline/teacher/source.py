@@ -56,6 +56,11 @@ def local_dir(source: str) -> Path:
                                 f"the hub is reachable and point teacher.source at the directory") from None
 
 
+def teacher_bytes(source: str) -> int:
+    """The bytes of the teacher's weight files (what loading it reads)."""
+    return sum(f.stat().st_size for f in local_dir(source).glob("*.safetensors"))
+
+
 def package_file(source: str) -> tuple[Path, dict]:
     """``gguf:<distribution>:<file>``: the file's path inside the installed distribution (matched by its path
     or its base name in the distribution's file list) and ``{"name", "version"}`` of the distribution."""

@@ -27,7 +27,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.filehash import file_hash
+from pipeline.files.hashes import file_hash
 
 HERE = Path(__file__).resolve().parent
 TEXTS = {"english": "english.txt", "english-heldout": "english_heldout.txt"}

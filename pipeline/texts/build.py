@@ -18,7 +18,7 @@ import re
 import tarfile
 from pathlib import Path
 
-from pipeline.io import write_text
+from pipeline.files.atomic import write_text
 from pipeline.texts import HERE
 
 SOURCES = {   # archive: sha256

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from pipeline.io import atomic_dir
+from pipeline.files.atomic import atomic_dir
 from pipeline.stage import console, progress
 from pipeline.toy import tasks
 from pipeline.toy.model import build_model, count_parameters, tiny_config

@@ -15,7 +15,7 @@ from types import ModuleType
 
 from PIL import Image
 
-from pipeline import images
+from pipeline.teacher import images
 from pipeline.eval import tasks as eval_tasks
 from pipeline.eval.task_prompts import option_letter, prompt_for
 from pipeline.teacher.prompts import PromptPool, load_pool

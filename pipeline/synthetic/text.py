@@ -91,7 +91,7 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-class _Synth:
+class Synth:
     """Deterministic generator of one tensor, row block by row block (seeded by the tensor's name)."""
 
     def __init__(self, name: str, shape: tuple[int, ...], seed: int) -> None:
@@ -132,7 +132,7 @@ def _specs(fmt: FormatBase, state: dict, shapes: dict[str, tuple[int, ...]]) -> 
     return out
 
 
-class _WeightWriter:
+class WeightWriter:
     """One weight of one file from its row blocks: its format's first stored tensor streamed block by block, the
     others (row scales: concatenated; a table: written once) after it."""
 
@@ -154,7 +154,7 @@ class _WeightWriter:
             self.writer.write(self.names[s], torch.cat(parts) if rows == self.specs[s][1][0] else parts[0])
 
 
-def stream_blocks(s: "_Synth", shape: tuple[int, int], parts: list["_WeightWriter"]) -> None:
+def stream_blocks(s: "Synth", shape: tuple[int, int], parts: list["WeightWriter"]) -> None:
     """One weight drawn a row block at a time, each block packed by every file's writer, then their other tensors."""
     rows = block_rows(shape)
     for r0 in range(0, shape[0], rows):        # a block drawn once, packed in every format
@@ -178,7 +178,7 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
     paths = {f: folder / f"{f}.safetensors" for f in formats}
     fmts = {f: formats_registry.get(f) for f in formats}
     first = "model.layers.0.self_attn.q_proj.weight"      # one state per model (S3D8: a table), fitted on a sample
-    sample = _Synth(first, shapes[first], seed).rows(0, min(shapes[first][0], 96))    # of the first attention weight
+    sample = Synth(first, shapes[first], seed).rows(0, min(shapes[first][0], 96))    # of the first attention weight
     states = {f: fmt.fit(sample, seed=seed) for f, fmt in fmts.items()}
     writers = {}
     for f, fmt in fmts.items():
@@ -194,13 +194,13 @@ def write_synthetic(preset: str, out_dir: str | Path = DEFAULT_DIR, *, seed: int
         for tname, shape in shapes.items():
             if progress:
                 progress(tname)
-            s = _Synth(tname, shape, seed)
+            s = Synth(tname, shape, seed)
             if len(shape) == 1:
                 v = s.vector()
                 for w in writers.values():
                     w.write(tname, v)
                 continue
-            stream_blocks(s, shape, [_WeightWriter(w, fmts[f], states[f], tname, shape) for f, w in writers.items()])
+            stream_blocks(s, shape, [WeightWriter(w, fmts[f], states[f], tname, shape) for f, w in writers.items()])
         ok = True
     finally:
         for w in writers.values():
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     for f, p in paths.items():
         print(f"{f}: {p} ({p.stat().st_size / 1e6:.1f} MB)")
     if args.gguf:
-        print(write_gguf(paths["bf16"], Path(args.out) / args.preset / "bf16.gguf"))
+        print(write_gguf(paths[formats_registry.BF16_BASELINE], Path(args.out) / args.preset / "bf16.gguf"))
     return 0
 
 

@@ -27,7 +27,7 @@ class LaunchParams:
     compute_dtype: Literal["float32", "bfloat16"]  # fsdp2: the dtype of the gathered weights
     gradient_checkpointing: bool                   # qat-train: recompute activations in the backward pass
     teacher: Literal["replicate", "shard"]         # fsdp2: the frozen teacher whole on every rank, or sharded
-    timeout_s: float = positive()                  # every collective's (pipeline.ranks)
+    timeout_s: float = positive()                  # every collective's (pipeline.launch.ranks)
     min_disk_mb_s: float = positive()              # the slowest read or write a wait for rank 0's allows
 
     def machines(self) -> int:

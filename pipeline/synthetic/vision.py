@@ -1,6 +1,6 @@
 """``synthetic-11b-vision``: every tensor of Llama 3.2 11B Vision Instruct at its real shape (the vision tower's 32
 local and 8 global layers, the projector, 40 text layers of which 8 cross-attention, the 128,264-row embedding and
-the untied ``lm_head``), seeded trained-looking weights (:class:`pipeline.synthetic._Synth`: Student-t noise, log-normal
+the untied ``lm_head``), seeded trained-looking weights (:class:`pipeline.synthetic.Synth`: Student-t noise, log-normal
 row and column scales) written straight into packed files, for speed and memory measured at the real shape.
 
 Each file is a packed model as pack-safetensors writes it (SPEC section 7: ``format``, ``layout``, ``shapes``, the
@@ -9,10 +9,10 @@ any other: ``s3d8.safetensors`` under the default precision plan (every Linear S
 ``int8.safetensors`` (every quantised weight INT8, the baseline). The weights that are not quantised (norms, biases,
 gates, the vision tower's patch and position embeddings) are stored in bf16, as pack-safetensors stores them. Writing streams
 row blocks (``pipeline.synthetic.block_rows``): one block of a few million weights and one tensor's packed bytes
-are held at a time, never the model. The processor (``pipeline.mllama_shape.build_processor``) is saved beside the
+are held at a time, never the model. The processor (``pipeline.synthetic.shape.build_processor``) is saved beside the
 files, so that ``s3d8 generate DIR/s3d8.safetensors --image ...`` tiles a picture as the 11B's processor does.
 
-``python -m pipeline.synthetic_vision [synthetic-11b-vision|synthetic-vision-tiny] [--out models/synthetic]``
+``python -m pipeline.synthetic.vision [synthetic-11b-vision|synthetic-vision-tiny] [--out models/synthetic]``
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from pipeline import formats as registry
-from pipeline.mllama_shape import Size, build_processor, skeleton_config
-from pipeline.precision import KEEP, Precision
+from pipeline.synthetic.shape import Size, build_processor, skeleton_config
+from pipeline.formats.precision import KEEP, Precision
 from pipeline.packed.safetensors_io import StreamingWriter
-from pipeline.synthetic import BASE_STD, COL_SIGMA, DEFAULT_DIR, ROW_SIGMA, STUDENT_DF, _Synth, _WeightWriter, stream_blocks
+from pipeline.synthetic.text import BASE_STD, COL_SIGMA, DEFAULT_DIR, ROW_SIGMA, STUDENT_DF, Synth, WeightWriter, stream_blocks
 
 PRESETS = {
     "synthetic-11b-vision": Size(text_layers=40, cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
@@ -56,7 +56,7 @@ def tensors(config) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     return dict(sorted(shapes.items())), set(quantised_weight_names(model).values())
 
 
-def _vector(s: _Synth, name: str) -> torch.Tensor:
+def _vector(s: Synth, name: str) -> torch.Tensor:
     """1-D tensors: biases small, everything else (norm weights, gates, class embedding) near 1."""
     v = s.vector()
     return (v - 1) * (BASE_STD / 0.05) if name.endswith(".bias") else v
@@ -76,7 +76,7 @@ def write_vision(preset: str | Size, out_dir: str | Path = DEFAULT_DIR, *, files
     plans = {f: Precision(registry.get(FILES[f][0]), FILES[f][1]) for f in files}
     keep = registry.get(KEEP)                      # what is not quantised: stored as it is
     first = next(n for n in shapes if n in quantised and ".self_attn.q_proj" in n and "language_model" in n)
-    sample = _Synth(first, shapes[first], seed).rows(0, min(shapes[first][0], 96))
+    sample = Synth(first, shapes[first], seed).rows(0, min(shapes[first][0], 96))
     fmt_of = {f: {n: (plans[f].format_of(n.removesuffix(".weight")) if n in quantised else None) for n in shapes}
               for f in files}
     used = {fmt.name: fmt for of in fmt_of.values() for fmt in of.values() if fmt is not None}
@@ -106,14 +106,14 @@ def write_vision(preset: str | Size, out_dir: str | Path = DEFAULT_DIR, *, files
         for n, shape in shapes.items():
             if progress:
                 progress(n)
-            s = _Synth(n, (shape[0], math.prod(shape[1:])) if len(shape) > 1 else shape, seed)
+            s = Synth(n, (shape[0], math.prod(shape[1:])) if len(shape) > 1 else shape, seed)
             if len(shape) == 1:
                 v = _vector(s, n)
                 for w in writers.values():
                     w.write(n, v.to(torch.bfloat16))
                 continue
             flat = (shape[0], math.prod(shape[1:]))
-            stream_blocks(s, flat, [_WeightWriter(w, fmt_of[f][n] or keep, states.get((fmt_of[f][n] or keep).name, {}),
+            stream_blocks(s, flat, [WeightWriter(w, fmt_of[f][n] or keep, states.get((fmt_of[f][n] or keep).name, {}),
                                                   n, flat) for f, w in writers.items()])
         ok = True
     finally:
@@ -125,7 +125,7 @@ def write_vision(preset: str | Size, out_dir: str | Path = DEFAULT_DIR, *, files
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.synthetic_vision", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.synthetic.vision", description=__doc__.split("\n")[0])
     ap.add_argument("preset", choices=sorted(PRESETS), nargs="?", default="synthetic-11b-vision")
     ap.add_argument("--out", default=str(DEFAULT_DIR), help=f"directory (default {DEFAULT_DIR})")
     ap.add_argument("--files", default=",".join(FILES), help=f"which files (default {','.join(FILES)})")

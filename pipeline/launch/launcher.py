@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from pipeline.params import ParamsError
-from pipeline.processes import ENV, LaunchParams, from_file, read_topology
+from pipeline.launch.processes import ENV, LaunchParams, from_file, read_topology
 
 
 def command(script: str, args: list[str], p: LaunchParams) -> list[str]:
@@ -52,13 +52,14 @@ def command(script: str, args: list[str], p: LaunchParams) -> list[str]:
 
 
 def plan_main(argv: list[str]) -> int:
-    """``python -m pipeline.launch plan``: the memory and disk plan of this run (:mod:`pipeline.memory_plan`) for the
+    """``python -m pipeline.launch plan``: the memory and disk plan of this run (:mod:`pipeline.launch.memory_plan`) for the
     params with ``--preset`` files applied (as ``python -m pipeline.params apply`` would) on the teacher's config
     (``--config``, else ``memory_plan.teacher_config``'s choice); it names the model it planned. Exit status 1 when
     a phase does not fit."""
     import argparse
 
-    from pipeline import memory_plan, params
+    from pipeline import params
+    from pipeline.launch import memory_plan
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.launch plan",
                                  description="per-GPU and per-node host memory and the disk of every stage and phase "
@@ -97,7 +98,7 @@ def plan_main(argv: list[str]) -> int:
           f"params {' + '.join([args.params, *args.preset])}: {launch.num_processes} process(es), {launch.strategy}, "
           f"formats {', '.join(p['formats'])}")
     print(memory_plan.summary(phases, gpu, host, disk))
-    from pipeline import ranks
+    from pipeline.launch import ranks
     for line in ranks.planned_waits(p, counts):
         print(f"wait: {line}")
     problems = memory_plan.check(phases, gpu, host, per_node) + memory_plan.check_disk(phases, disk)
@@ -112,7 +113,8 @@ def _memory_check(script: str, args: list[str], params_path: str, p: LaunchParam
     now, where the stages before it have left theirs."""
     if os.environ.get("S3D8_MEMORY_CHECK", "1") == "0":
         return
-    from pipeline import memory_plan, params
+    from pipeline import params
+    from pipeline.launch import memory_plan
 
     doc = params.read(params_path)
     stage = memory_plan.stage_of(script)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
-# ``launch`` below: the launch settings (pipeline.processes.LaunchParams; not imported: the launcher's plan reads this)
+# ``launch`` below: the launch settings (pipeline.launch.processes.LaunchParams; not imported: the launcher's plan reads this)
 POLL = timedelta(seconds=30)          # rank 0 looks for the others' results this often (no deadline)
 
 
@@ -113,10 +113,3 @@ def planned_waits(params: dict, counts: dict) -> list[str]:
         waits["qat-train: rank 0 writes a checkpoint"] = 12 * P
     return [f"{what}: {nbytes / 1e9:.1f} GB, the others wait up to {io_timeout(launch, nbytes)}"
             for what, nbytes in waits.items()]
-
-
-def teacher_bytes(source: str) -> int:
-    """The bytes of the teacher's weight files (what loading it reads)."""
-    from pipeline.teacher.source import local_dir
-
-    return sum(f.stat().st_size for f in local_dir(source).glob("*.safetensors"))

@@ -1,7 +1,7 @@
 """Llama 3.2 11B Vision's shape as data: the Mllama config of any depth at its widths (:class:`Size`,
 :func:`skeleton_config`), its Llama 3 special-token ids, and a processor for such a vocabulary (a small byte-level
 BPE padded to the 11B's 128,256 ids, Mllama's image processor and the Llama 3.2 Vision chat template). Used by the
-skeleton benchmark (``pipeline/bench/skeleton_11b.py``) and by the synthetic 11B Vision (:mod:`pipeline.synthetic_vision`)."""
+skeleton benchmark (``pipeline/bench/skeleton_11b.py``) and by the synthetic 11B Vision (:mod:`pipeline.synthetic.vision`)."""
 
 from __future__ import annotations
 

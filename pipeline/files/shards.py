@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.filehash import file_hash, file_sha256, fingerprint  # noqa: F401  (also imported from here)
-from pipeline.io import atomic_path
+from pipeline.files.hashes import file_hash, file_sha256, fingerprint  # noqa: F401  (also imported from here)
+from pipeline.files.atomic import atomic_path
 
 META_KEY = b"s3d8_pipeline"
 
