@@ -303,7 +303,7 @@ def write_gguf(bf16_path: str | Path, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.synthetic", description=__doc__.split("\n")[0])
     ap.add_argument("preset", choices=sorted(PRESETS))
     ap.add_argument("--out", default=str(DEFAULT_DIR))
     ap.add_argument("--seed", type=int, default=0)
