@@ -38,9 +38,9 @@
 #ifndef S3D8_TOKENS /* tokens per pass over a packed row in the fused product (1..4) */
 #define S3D8_TOKENS 4
 #endif
-/* INT8 product for m > 4: blocks of weight rows x tokens (1..4 each). Measured here (Zen 3, 1 thread,
- * noisy): 3 x 3, 2 x 4 and 3 x 4 alike in cache (about 2x one row x one token), 3 x 3 ahead with
- * weights and activations from memory (128 tokens, k = 4096 and 14336); 4 x 2 behind. */
+/* INT8 product for m > 4: blocks of weight rows x tokens (1..4 each): each loaded weight vector serves
+ * QSI8_BLOCK_TOKENS tokens and each activation vector QSI8_BLOCK_ROWS rows, 9 accumulators of the 16 ymm
+ * registers at 3 x 3 (the default; the arm-bench kernel table times the product, reports/bench.md). */
 #ifndef QSI8_BLOCK_ROWS
 #define QSI8_BLOCK_ROWS 3
 #endif

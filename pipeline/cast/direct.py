@@ -44,7 +44,7 @@ def code_files() -> list[Path]:
     """The source whose code decides a cast's bytes: this module, the algorithms, the formats and the native kernels."""
     pipeline = Path(__file__).resolve().parents[1]
     native = pipeline.parent / "native"
-    modules = ("cast/direct", "cast/ptq", "cast/sequential", "precision", "quant", "packed/layout", "native",
+    modules = ("cast/direct", "cast/ptq", "cast/sequential", "quant", "packed/layout", "native",
                "cpu_numerics")
     return ([pipeline / f"{m}.py" for m in modules] + sorted((pipeline / "formats").glob("*.py"))
             + sorted(native.glob("*.[ch]")))
