@@ -117,7 +117,8 @@ def command_imports(cmd: str) -> list[str]:
 
     files = set(project_imports(re.search(r"stages/\w+\.py", cmd).group(0)))
     for module in re.findall(r"-m (pipeline(?:\.\w+)+)", cmd):
-        files.update(project_imports(_module_file(module).relative_to(ROOT)))
+        main = ROOT / Path(*module.split(".")) / "__main__.py"      # a package runs its __main__
+        files.update(project_imports((main if main.is_file() else _module_file(module)).relative_to(ROOT)))
     return sorted(files)
 
 
