@@ -15,11 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import formats, native
-
-from pipeline.runtime import decode_step
-
-from pipeline.packed import safetensors_io
 from pipeline.formats.precision import KEEP, file_formats
+from pipeline.packed import safetensors_io
+from pipeline.packed.checkpoint import CheckpointReader
+from pipeline.runtime import decode_step
 
 
 class RuntimeInputError(ValueError):
@@ -41,12 +40,13 @@ def read_header(path: str | Path) -> tuple[dict, dict[str, str], int]:
 
 
 def read_tensors(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """``(metadata, every tensor)`` of a packed file, read into private memory
-    (:class:`~pipeline.packed.safetensors_io.PrivateReader`); RuntimeInputError if the file is not one."""
+    """``(metadata, every tensor)`` of a packed file, read into private memory by the packed files' one reader
+    (:class:`~pipeline.packed.checkpoint.CheckpointReader`, ``private=True``); RuntimeInputError if the file is not
+    one."""
     read_header(path)
     try:
-        reader = safetensors_io.PrivateReader(path)
-        return reader.metadata, {name: reader.get(name) for name in reader.entries}
+        reader = CheckpointReader(path, private=True)
+        return reader.metadata(), {name: reader.get(name) for name in reader.keys()}
     except (OSError, ValueError) as e:
         raise RuntimeInputError(str(e)) from None
 
