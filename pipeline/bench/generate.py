@@ -11,8 +11,8 @@ alone. The prompt is 128 seeded random token ids, generation greedy with EOS ign
 with another prompt of the same length (2 new tokens; its seconds are ``warmup_s``): the native INT8
 products above 16 tokens tune their path on the first call of each size class (``native.TUNE``, which
 times torch's INT8 GEMM too, slow without VNNI), a one-off cost a timed prefill must not hold. Synthetic models
-(``pipeline.synthetic``) are written on first use under ``models/synthetic/``; the toy is the committed toy teacher packed to S3D8 (its own fitted tables).
-llama.cpp rows (``--llama-cpp``) need the optional extra (``pip install -r requirements-bench.txt``):
+(``pipeline.synthetic``) are written on first use under ``models/synthetic/``; the toy is the committed teacher packed
+to each ``--formats`` entry with a packed layout. llama.cpp rows (``--llama-cpp``) need requirements-bench.txt:
 the bf16 synthetic weights as GGUF, quantised by llama.cpp's own ``llama_model_quantize``; without
 the packages those rows are skipped with a message. Read bandwidth is measured for each thread count with
 ``native.read_bandwidth_probe`` (1 GiB split over the threads, best of 5, on memory allocated as the runtime's

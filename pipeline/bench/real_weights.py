@@ -26,7 +26,8 @@ post-training algorithm (``pipeline.cast.ptq``):
 
 Algorithms: ``absmax`` (today's cast), ``search`` (scale search, unweighted), ``search_w`` (scale search
 weighted by the calibration importance ``diag(H)``), ``gptq`` (GPTQ with the calibration Hessian, on top
-of its own ``search_w``). Every algorithm starts from the state ``absmax`` fitted, and its cost includes that fit. Usage:
+of its own ``search_w``). Every algorithm starts from the state ``absmax`` fitted, and its cost includes that
+fit. Usage:
 
     .venv/bin/python -m pipeline.bench.real_weights [--model minilm|antiberty] [--layers 0 2 5] [--threads 1]
         [--json reports/real_weights.json] [--md reports/real_weights.md]
@@ -188,8 +189,8 @@ class PeakRSS:
 
 def cast(fmt_name: str, w: torch.Tensor, algorithm: str, h_cal, seed: int, fitted=None):
     """``(decoded weight, fitted state)`` of one algorithm through the format's own post-training hooks, the paths
-    ``ptq.pack`` takes (each decode equals ``ptq.direct_cast``'s, tests/test_ptq.py): ``absmax`` returns the state it
-    fitted, which the searches and GPTQ then start from (``fitted``) instead of fitting it again."""
+    ``ptq.pack`` takes (each decode equals ``ptq.direct_cast``'s: tests/test_real_weights_bench.py): ``absmax``
+    returns the state it fitted, which the searches and GPTQ then start from (``fitted``) instead of fitting it again."""
     fmt = formats.get(fmt_name)
     if algorithm == "absmax":
         t = ptq.pack(fmt, w, algorithm="absmax", seed=seed)
