@@ -387,7 +387,9 @@ def test_fsdp2_accumulation_matches_one_process_accumulating(inputs, tmp_path):
     """qat.grad_accum 2 on 2 FSDP2 processes (reduce-scatter per micro-batch) trains as one process with the same
     micro-batches: the same per-step KL. Under torch's own kernels: the stages' CPU pin (pipeline/cpu_numerics.py)
     puts MKL on its COMPATIBLE branch, whose GEMM sums depend on the operand's row count, and the two runs multiply
-    micro-batches of 8 and of 4 sequences (step-1 KL 8e-5 apart there); this test is about the accumulation."""
+    micro-batches of 8 and of 4 sequences (step-1 KL 8e-5 apart there); this test is about the accumulation. Under
+    the native kernels too the products of 8 and of 4 sequences' rows round differently (the head's runs on their
+    response rows alone: step-1 KL 1.6e-5 apart), far below what a wrong accumulation moves by step 3."""
     kls = {}
     for name, launch in {"one": {}, "fsdp2": {"num_processes": 2, "strategy": "fsdp2"}}.items():
         cwd = _copy_inputs(inputs, tmp_path / name, **launch)
@@ -396,7 +398,7 @@ def test_fsdp2_accumulation_matches_one_process_accumulating(inputs, tmp_path):
         (cwd / "params.yaml").write_text(yaml.safe_dump(doc))
         _qat(cwd, env={"S3D8_CPU_NUMERICS": "native", "ATEN_CPU_CAPABILITY": None, "MKL_CBWR": None})
         kls[name] = _kl(cwd)
-    assert kls["fsdp2"][:1] == pytest.approx(kls["one"][:1], rel=1e-5)
+    assert kls["fsdp2"][:1] == pytest.approx(kls["one"][:1], rel=5e-5)
     assert kls["fsdp2"] == pytest.approx(kls["one"], rel=1e-3)
 
 

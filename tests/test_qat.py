@@ -83,6 +83,55 @@ def test_response_kl_counts_only_masked_positions():
     assert response_kl_sum(s2, t, mask).item() == pytest.approx(total.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 24, 1 << 20])      # a block per row, blocks across rows, one block
+def test_kl_in_blocks_is_kl_div_and_its_gradient(monkeypatch, chunk):
+    """kl_sum runs over row blocks with its own backward: the value and the student's gradient are those of
+    kl_div(log_softmax(s), log_softmax(t), log_target=True) and autograd, to float32 rounding, for a bf16
+    teacher and any block size; the teacher gets no gradient."""
+    import torch.nn.functional as F
+
+    import pipeline.divergence as divergence
+
+    monkeypatch.setattr(divergence, "CHUNK", chunk)
+    torch.manual_seed(0)
+    s = (torch.randn(37, 11) * 4).requires_grad_()
+    t = (torch.randn(37, 11) * 4).bfloat16().requires_grad_()
+    ref = F.kl_div(F.log_softmax(s.float(), -1), F.log_softmax(t.float(), -1), log_target=True, reduction="sum")
+    (g_ref,) = torch.autograd.grad(ref * 0.5, s)
+    kl = divergence.kl_sum(s, t)
+    assert kl.dtype == torch.float32
+    assert float(kl) == pytest.approx(float(ref), rel=1e-6)
+    (kl * 0.5).backward()
+    assert torch.allclose(s.grad, g_ref, rtol=0, atol=1e-6)
+    assert t.grad is None
+    assert float(divergence.kl_sum(t.float().detach(), t)) == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_rows_give_the_logits_at_the_kept_positions(dtype):
+    """head_rows runs the output head on the kept positions only: the same rows as the full logits[keep], in the
+    same order (the head's product over fewer rows: to float rounding), a gradient through them, and the hook gone
+    after the block."""
+    from pipeline.teacher.answers import collate
+    from pipeline.teacher.logits import head_rows, model_logits
+
+    model, processor = _toy(dtype)
+    batch = collate([e for e in _toy_examples(3)], processor, 160)
+    keep = batch["loss_mask"].bool()
+    full = model_logits(model, batch)[keep]
+    rows = model_logits(model, batch, keep=keep)
+    assert rows.shape == full.shape == (int(keep.sum()), model.config.text_config.vocab_size)
+    tol = 1e-5 if dtype == torch.float32 else 0.07
+    assert torch.allclose(rows.float(), full.float(), rtol=0, atol=tol)
+    assert not model.get_output_embeddings()._forward_pre_hooks
+    inputs = {k: v for k, v in batch.items() if k != "loss_mask"}
+    model.float().train()
+    with head_rows(model, keep):
+        out = model(**inputs).logits
+    out.sum().backward()
+    assert model.get_output_embeddings().weight.grad is not None
+
+
 def test_states_round_trip(tmp_path):
     model = Tiny()
     states = fitted(model, "student_t")

@@ -36,7 +36,7 @@ from pipeline.models import dtype_of, load_config, load_model, load_processor, t
 from pipeline.teacher.answers import batch_indices, collate, load_examples, sequence_lengths, split_heldout
 from pipeline.divergence import kl_sum
 from pipeline.qat.train import QATParams, quantise_student
-from pipeline.teacher.logits import TeacherLogits
+from pipeline.teacher.logits import TeacherLogits, head_rows
 from pipeline.teacher.source import TeacherParams
 
 PARTS = ["collate", "teacher forward", "teacher cache gather", "student forward", "kl", "backward", "optimizer"]
@@ -50,7 +50,8 @@ def _fwd_bwd(model, batch: dict, keep: torch.Tensor, target: torch.Tensor, bf16:
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        s = model(**batch).logits[keep]
+        with head_rows(model, keep):
+            s = model(**batch).logits
     kl = kl_sum(s, target)                     # log_softmax in fp32 either way
     kl.backward()
     seconds = time.perf_counter() - t0
@@ -155,11 +156,12 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
 
         picked, batch, keep = _step_batch(train_set, processor, p, step)
         tick("collate")
-        t_rows = cache.forward(batch)[keep]
+        t_rows = cache.forward({**batch, "loss_mask": keep})
         tick("teacher forward")
         cached = cache.rows(batch, picked)
         tick("teacher cache gather")
-        s = student(**batch).logits[keep]
+        with head_rows(student, keep):
+            s = student(**batch).logits
         tick("student forward")
         kl = kl_sum(s, cached)
         tick("kl")
@@ -167,7 +169,8 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
         tick("backward")
         opts[0].step(), opts[0].zero_grad(set_to_none=True)
         tick("optimizer")
-        s = plain(**batch).logits[keep]
+        with head_rows(plain, keep):
+            s = plain(**batch).logits
         tick("plain forward")
         kl = kl_sum(s, t_rows)
         tick("plain kl")

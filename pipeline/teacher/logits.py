@@ -8,16 +8,42 @@ the cache would not fit, and the image evaluation's held-out answers, which stre
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from pipeline.teacher.answers import Example, collate, model_inputs
 from pipeline.stage import progress
 
 
-def model_logits(model, batch: dict, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+def model_logits(model, batch: dict, dtype: torch.dtype | None = None, device=None,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
     """``model``'s logits ``[B, L, V]`` of a :func:`~pipeline.teacher.answers.collate` batch (its ``loss_mask`` left
-    out), the image pixels in ``dtype`` (the model's own by default), the inputs moved to ``device`` when given."""
-    return model(**model_inputs(batch, dtype or model.dtype, device)).logits
+    out), the image pixels in ``dtype`` (the model's own by default), the inputs moved to ``device`` when given.
+    With ``keep`` (``[B, L]`` bool): only the rows at its positions, ``[N, V]`` (:func:`head_rows`)."""
+    inputs = model_inputs(batch, dtype or model.dtype, device)
+    if keep is None:
+        return model(**inputs).logits
+    with head_rows(model, keep):
+        return model(**inputs).logits
+
+
+@contextmanager
+def head_rows(model, keep: torch.Tensor):
+    """Within it, ``model``'s output head (``get_output_embeddings()``, the one module that turns hidden states into
+    logits in transformers' Llama and Mllama) reads only the hidden states at ``keep`` (``[B, L]`` bool): the
+    logits come out ``[N, V]`` in ``logits[keep]``'s order, and the head's product, the logits and their gradient
+    cost N rows instead of B x L (a QAT answer batch: about half its positions are the prompt's)."""
+    head = getattr(model, "module", model).get_output_embeddings()
+
+    def select(_module, args):
+        return (args[0][keep.to(args[0].device)], *args[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class TeacherLogits:
@@ -39,15 +65,14 @@ class TeacherLogits:
                 task = bar.add_task(what, total=len(examples))
                 for a in range(0, len(examples), batch_size):
                     batch = collate(examples[a:a + batch_size], processor, max_seq_len)
-                    keep = batch["loss_mask"].bool()
                     logits = self.forward(batch)
-                    self.cached.extend(logits[i][keep[i].to(logits.device)].clone() for i in range(len(keep)))
-                    bar.advance(task, len(keep))
+                    self.cached.extend(r.clone() for r in logits.split(batch["loss_mask"].sum(1).tolist()))
+                    bar.advance(task, len(batch["loss_mask"]))
 
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor:
-        """The teacher's logits ``[B, L, V]`` of ``batch``."""
-        return model_logits(self.teacher, batch, self.dtype, self.device)
+        """The teacher's logits at ``batch``'s response positions ``[N, V]``, in mask order."""
+        return model_logits(self.teacher, batch, self.dtype, self.device, keep=batch["loss_mask"].bool())
 
     def rows(self, batch: dict, indices: list[int] | None = None) -> torch.Tensor:
         """The teacher's logits at ``batch``'s response positions ``[N, V]``, in mask order: the cached rows of the
@@ -56,8 +81,7 @@ class TeacherLogits:
             if indices is None:
                 raise ValueError("cached teacher logits: name the batch's examples")
             return torch.cat([self.cached[i] for i in indices])
-        logits = self.forward(batch)
-        return logits[batch["loss_mask"].bool().to(logits.device)]
+        return self.forward(batch)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         """The cached rows of example ``index``."""
