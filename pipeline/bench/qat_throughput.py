@@ -198,7 +198,7 @@ def measure(fmt_name: str, threads: int, steps: int, params_path: str, compile_l
                              "plain_step": round(tok / (med["collate"] + med["teacher forward"] + plain_s), 1)},
             "overhead_vs_plain": round(student_s / plain_s, 3),
             "fake_quant_forward_s": round(med["student forward"] - med["plain forward"], 5),
-            "teacher_cache": {"seconds": round(cache_s, 2), "bytes": cache_bytes, "sequences": len(cache)},
+            "teacher_cache": {"seconds": round(cache_s, 2), "bytes": cache_bytes, "sequences": len(cache.cached)},
             "ptq_start_s": round(start_s, 2), "levers": levers}
 
 
