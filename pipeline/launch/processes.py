@@ -99,10 +99,11 @@ def run_stage(main: Callable[[], object]) -> None:
     or ``pipeline.qat.distributed``), on return and on error alike: accelerate's ``end_training`` convention.
     A gloo group left to the interpreter's exit can abort the process (``terminate called without an active
     exception``, exit code -6) after a clean error that should exit with 1. A group that was formed before the
-    call is left alone. Freed memory is kept for reuse (:func:`keep_freed_memory`)."""
+    call is left alone. On the CPU, freed memory is kept for reuse (:func:`keep_freed_memory`)."""
     import torch.distributed as dist
     owned = not dist.is_initialized()
-    keep_freed_memory()                      # each step's GBs reused, not mapped and faulted in anew
+    if not torch.cuda.is_available():        # on a GPU the steps' tensors are CUDA's (its allocator caches them),
+        keep_freed_memory()                  # and the host memory a load frees should go back (11B: tens of GB)
     try:
         main()
     finally:
