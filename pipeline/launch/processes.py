@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -73,25 +74,34 @@ def read_topology(path: str | Path) -> Topology:
     return from_dict(Topology, doc or {}, prefix=f"launch.config_file {path}:")
 
 
-def keep_freed_memory() -> bool:
-    """Let glibc's ``malloc`` keep what a step frees for the next one (mallopt(3): ``M_MMAP_MAX`` 0, every block from
-    the heap instead of a mapping of its own; ``M_TRIM_THRESHOLD`` -1, the heap never trimmed). A step of a real
-    model's QAT allocates and frees the same few GB (logits, activations, gradients); by default each block over
-    the mapping threshold (at most 32 MB) is mapped at ``malloc``, unmapped at ``free``, and its pages faulted in
-    and zeroed by the kernel again on the next step: a quarter of a SmolLM2 QAT step's time on 2 cores. The
-    results are the same bytes; the process keeps its peak memory until it exits. False where the C library is not
-    glibc (nothing changed)."""
+@contextmanager
+def keep_freed_memory():
+    """Within it, glibc's ``malloc`` keeps what a step frees for the next one (mallopt(3): ``M_MMAP_MAX`` 0, every
+    block from the heap instead of a mapping of its own; ``M_TRIM_THRESHOLD`` -1, the heap never trimmed). A step of
+    a real model's QAT allocates and frees the same few GB (logits, activations, gradients); by default each block
+    over the mapping threshold (at most 32 MB) is mapped at ``malloc``, unmapped at ``free``, and its pages faulted
+    in and zeroed by the kernel again on the next step: a quarter of a SmolLM2 QAT step's time on 2 cores. The
+    results are the same bytes. On leaving, glibc's default limits are set back (as fixed thresholds) and the free
+    heap is handed back to the system (``malloc_trim``), so a process that goes on (a test running a stage in
+    process) is not left holding its peak. Yields False where the C library is not glibc (nothing changed)."""
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version"):   # another libc's mallopt takes other numbers, or none
-        return False
+        libc = None
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):   # another libc's mallopt takes other numbers
+        yield False
+        return
     m_trim_threshold, m_mmap_max = -1, -4
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, -1))
+    kept = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, -1))
+    try:
+        yield kept
+    finally:
+        libc.mallopt(m_mmap_max, 65536)                  # glibc's defaults (DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD)
+        libc.mallopt(m_trim_threshold, 128 * 1024)
+        libc.malloc_trim(0)
 
 
 def run_stage(main: Callable[[], object]) -> None:
@@ -102,10 +112,12 @@ def run_stage(main: Callable[[], object]) -> None:
     call is left alone. On the CPU, freed memory is kept for reuse (:func:`keep_freed_memory`)."""
     import torch.distributed as dist
     owned = not dist.is_initialized()
-    if not torch.cuda.is_available():        # on a GPU the steps' tensors are CUDA's (its allocator caches them),
-        keep_freed_memory()                  # and the host memory a load frees should go back (11B: tens of GB)
+    # On a GPU the steps' tensors are CUDA's (its allocator caches them), and the host memory a load frees (11B: tens
+    # of GB on rank 0) should go back to the system.
+    kept = keep_freed_memory() if not torch.cuda.is_available() else nullcontext()
     try:
-        main()
+        with kept:
+            main()
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()
