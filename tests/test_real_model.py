@@ -170,6 +170,52 @@ def test_source_gguf_comes_from_the_import_record(teacher, tmp_path):
         lc.source_gguf(tmp_path)
 
 
+@pytest.fixture(scope="module")
+def rotated_teacher(teacher, tmp_path_factory):
+    """The tiny GGUF imported with ``teacher.rotate: hadamard`` (float32, a head of its own)."""
+    from pipeline.teacher.importer import import_teacher
+
+    out = tmp_path_factory.mktemp("rotated") / "teacher"
+    import_teacher(str(teacher[1]), out, rotate="hadamard")
+    return out
+
+
+def test_teacher_gguf_of_a_rotated_teacher_computes_the_teacher_s_logits(teacher, rotated_teacher, tmp_path):
+    """A rotated import of a tied model has a head of its own (the output norm folded in, the norm's weight ones):
+    the GGUF holds it as ``output.weight``, and imported back gives the rotated teacher's logits to bf16 rounding.
+    (Without it llama.cpp takes the rotated embedding as the head: KL 7.7 to the teacher on SmolLM2.)"""
+    from pipeline.teacher.importer import import_teacher
+
+    src = teacher[1]
+    out = lc.write_teacher_gguf(rotated_teacher, src, tmp_path / "rotated.gguf")
+    assert "output.weight" not in [t.name for t in gguf.GGUFReader(str(src)).tensors]
+    assert "output.weight" in [t.name for t in gguf.GGUFReader(str(out)).tensors]
+    import_teacher(str(out), tmp_path / "back")
+    model = _teacher_model(rotated_teacher)
+    ids = torch.arange(40).unsqueeze(0) % model.config.vocab_size
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[0]
+        got = _teacher_model(tmp_path / "back")(input_ids=ids).logits[0]
+    assert (got - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_llama_cpp_files_are_made_from_the_unrotated_teacher(teacher, rotated_teacher, tmp_path):
+    """llama.cpp's rows are its users' files: of a rotated teacher, the bench writes its GGUF from the same source
+    imported again without the rotation (the plain import's tensors, bit for bit), made once."""
+    from safetensors.torch import load_file
+
+    teacher_dir = teacher[2]
+    assert lc.unrotated_teacher(teacher_dir, tmp_path) == teacher_dir
+    plain = lc.unrotated_teacher(rotated_teacher, tmp_path)
+    assert plain == tmp_path / "teacher-unrotated"
+    a, b = load_file(str(plain / "model.safetensors")), load_file(str(teacher_dir / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    stamp = (plain / "model.safetensors").stat().st_mtime_ns
+    assert lc.unrotated_teacher(rotated_teacher, tmp_path) == plain
+    assert (plain / "model.safetensors").stat().st_mtime_ns == stamp
+
+
 # --- report -------------------------------------------------------------------------------------------------------
 
 def _row(name, impl, fmt, method, bits, mb, kl, ppl, threads=1):

@@ -51,6 +51,27 @@ def source_gguf(teacher_dir: str | Path) -> Path:
     return package_file(source)[0] if source.startswith("gguf:") else Path(source)
 
 
+def unrotated_teacher(teacher_dir: str | Path, work: str | Path) -> Path:
+    """The teacher as llama.cpp's users have it, to write llama.cpp's files from: ``teacher_dir`` itself, or, where
+    it was imported rotated (``teacher.rotate``: the same function, other matrices to quantise), the same source
+    imported again without the rotation at ``work/teacher-unrotated`` (made when missing or older than
+    ``teacher_dir``)."""
+    from pipeline.teacher.importer import import_teacher
+    from pipeline.teacher.source import PROVENANCE
+
+    teacher_dir = Path(teacher_dir)
+    record = teacher_dir / PROVENANCE
+    info = json.loads(record.read_text()) if record.is_file() else {}
+    if info.get("rotate", {"kind": "none"})["kind"] == "none":
+        return teacher_dir
+    out = Path(work) / "teacher-unrotated"
+    made = out / PROVENANCE
+    if (stale(made, teacher_dir / "model.safetensors")
+            or json.loads(made.read_text()).get("source") != info["source"]):
+        import_teacher(info["source"], out)
+    return out
+
+
 def _field_value(field):
     """``(value, type, sub type)`` of a ``gguf.ReaderField`` as ``GGUFWriter.add_key_value`` takes them (strings as
     their raw bytes, so that no token is re-encoded)."""
@@ -74,7 +95,8 @@ def write_teacher_gguf(teacher_dir: str | Path, source_gguf: str | Path, out: st
     ``source_gguf`` copied except ``general.file_type`` / ``general.quantization_version`` (set for bf16), tensors
     in the source's order under its names, 2-D weights in bf16 (q/k rows in llama.cpp's rotary order), 1-D tensors
     (norms) in F32 as llama.cpp keeps them. A source tensor the teacher lacks (e.g. ``rope_freqs``) is copied as
-    the source holds it."""
+    the source holds it; a head of the teacher's own that the source lacks (a tied source) is added as
+    ``output.weight``."""
     import gguf
     import numpy as np
     from safetensors import safe_open
@@ -107,6 +129,11 @@ def write_teacher_gguf(teacher_dir: str | Path, source_gguf: str | Path, out: st
                 raise ValueError(f"{weights}: tensor {hf!r} has shape {list(shape)}, {source_gguf} holds "
                                  f"{t.name!r} as {list(want)}")
             plan.append((t.name, hf, shape, t))
+        head = {hf for _, hf, _, _ in plan}
+        if "lm_head.weight" in have and "lm_head.weight" not in head and not config.tie_word_embeddings:
+            # a head of its own that the source does not hold (e.g. a rotated import of a tied model)
+            name = next(g for g, h in mapping.items() if h == "lm_head.weight")
+            plan.append((name, "lm_head.weight", tuple(f.get_slice("lm_head.weight").get_shape()), None))
         writer = gguf.GGUFWriter(str(tmp), gguf_import.ARCHITECTURE)
         for key, field in reader.fields.items():
             if key.startswith("GGUF.") or key in skip:

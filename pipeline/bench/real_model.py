@@ -6,7 +6,8 @@ models/packed] [--types all|Q8_0,Q4_K_M,...] [--threads 1,2] [--out reports]``
 1. The teacher (a bf16 Hugging Face directory of a text-only Llama, as ``python -m pipeline.teacher import`` writes
    it) is written as a bf16 GGUF (:func:`write_teacher_gguf`): every key/value field of the GGUF it was imported
    from (tokenizer, chat template, hyperparameters) copied, the file type set to bf16, the tensors from its
-   ``model.safetensors`` under llama.cpp's names, q/k rows permuted back to llama.cpp's rotary order.
+   ``model.safetensors`` under llama.cpp's names, q/k rows permuted back to llama.cpp's rotary order (of a rotated
+   teacher, its unrotated import: :func:`unrotated_teacher`, the model llama.cpp's users download).
 2. llama.cpp's own quantizer (``llama_model_quantize`` through ``llama-cpp-python``, each in a child process so
    that an abort is a row note) writes every requested type, each with and without the token embedding at the same
    type (``X+embd:Y``, llama-quantize's ``--token-embedding-type``); a type llama.cpp refuses (e.g. the i-quants
@@ -46,7 +47,7 @@ import torch
 from pipeline.bench import generate, machine
 from pipeline.bench.llama_cpp_files import (census, expand_types, file_type, llama_cpp_extra_bufts,
                                             llama_cpp_logits_fn, packed_census, quantize, source_gguf, stale,
-                                            write_teacher_gguf)
+                                            unrotated_teacher, write_teacher_gguf)
 from pipeline.bench.real_model_report import write_report
 from pipeline.files.atomic import atomic_path
 
@@ -148,8 +149,7 @@ def _torch_speed(spec: dict) -> dict:
     t0 = time.perf_counter()
     model = load_packed_model(spec["path"], kernel="torch").eval()
     load_s = time.perf_counter() - t0
-    vocab = model.config.vocab_size
-    t0 = time.perf_counter()
+    vocab, t0 = model.config.vocab_size, time.perf_counter()
     runtime.hf_generate(model, {"input_ids": generate.random_prompt(spec["prompt_tokens"], vocab, 1)}, 2)
     warmup_s = time.perf_counter() - t0
     prompt = generate.random_prompt(spec["prompt_tokens"], vocab)
@@ -240,10 +240,10 @@ def llama_cpp_models(teacher_dir: Path, source: Path, types: list[str], work: Pa
     ``(models, refusals, notes)``; an ``X+embd:Y`` file with the same bytes as ``X`` is measured once."""
     work.mkdir(parents=True, exist_ok=True)
     bf16 = work / "bf16.gguf"
-    if stale(bf16, teacher_dir / "model.safetensors"):
-        write_teacher_gguf(teacher_dir, source, bf16)
-    models = [{"name": "llama.cpp BF16", "impl": "llama.cpp", "format": "BF16", "method": "bf16 (write_teacher_gguf)",
-               "path": str(bf16)},
+    if stale(bf16, (base := unrotated_teacher(teacher_dir, work)) / "model.safetensors"):
+        write_teacher_gguf(base, source, bf16)
+    models = [{"name": "llama.cpp BF16", "impl": "llama.cpp", "format": "BF16", "path": str(bf16),
+               "method": "bf16 (write_teacher_gguf" + (", of the unrotated import)" if base != teacher_dir else ")")},
               {"name": f"llama.cpp {source.name} (shipped)", "impl": "llama.cpp",
                "format": f"{file_type(source)} (shipped)",
                "method": "shipped file", "path": str(source)}]
