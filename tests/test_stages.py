@@ -4,6 +4,7 @@ the same result, and stop with a clear message on bad input."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -97,6 +98,12 @@ def test_qat_train_resumes_after_a_kill_with_the_same_result(chain, tmp_path, te
     assert not (cwd / "checkpoints/qat/s3d8.safetensors").exists()
     kl = (cwd / "reports/qat/s3d8/plots/metrics/train/kl.tsv").read_text()
     assert kl == (chain / "reports/qat/s3d8/plots/metrics/train/kl.tsv").read_text()
+    # each step's and checkpoint's wall seconds go to the run log, not to the metrics: those of this process's steps
+    run = json.loads((cwd / "logs/qat-train-s3d8.json").read_text())
+    resumed = int(re.search(r"resuming at step (\d+)", log).group(1))
+    assert resumed >= 1 and run["checkpoint_every"] == 1
+    assert len(run["step_s"]) == run["steps"] - resumed and len(run["checkpoint_s"]) == len(run["step_s"]) - 1
+    assert all(t >= 0 for t in run["step_s"] + run["checkpoint_s"])
 
 
 def test_a_planted_pickle_never_runs_and_training_starts_afresh(chain, tmp_path, teacher):

@@ -59,10 +59,11 @@ def run(fmt: FormatBase, params_path: str, teacher_data: str) -> None:
     summary = train(fmt, states, teacher.dir, teacher.dtype, train_set, p,
                     out_dir=f"models/qat/{fmt.name}", checkpoint=f"checkpoints/qat/{fmt.name}.safetensors",
                     live_dir=f"reports/qat/{fmt.name}", fingerprint=fp, start=cast.start if cast else None,
-                    importance=importance, plan=plan)
+                    importance=importance, plan=plan, timings=(timings := {}))
     if summary:
         write_json(f"reports/qat/{fmt.name}/summary.json", summary)
-        run_log(f"qat-train-{fmt.name}", seconds=round(time.perf_counter() - began, 1), steps=p.steps)
+        run_log(f"qat-train-{fmt.name}", seconds=round(time.perf_counter() - began, 1), steps=p.steps,
+                checkpoint_every=p.checkpoint_every, **timings)
 
 
 def corpus_examples(p: QATParams, teacher_dir: str, first_index: int) -> list:

@@ -118,23 +118,21 @@ def check(p: QATParams, examples: list[Example], processes: int) -> int:
 def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str, examples: list[Example],
           p: QATParams, out_dir: str | Path, checkpoint: str | Path, live_dir: str | Path, fingerprint: str,
           launch: LaunchParams | None = None, start: Start | None = None,
-          importance: Callable[[str], torch.Tensor | None] | None = None, plan: Precision | None = None) -> dict:
+          importance: Callable[[str], torch.Tensor | None] | None = None, plan: Precision | None = None,
+          timings: dict | None = None) -> dict:
     """Train and save the student. ``launch``: the launch settings (default: those ``pipeline.launch`` handed
     over, else the ``launch`` section of ``params.yaml``): ``strategy`` ddp runs under ``accelerate`` (DDP
     when several processes), fsdp2 shards the student (``pipeline.qat.distributed``). ``start`` (needed for
     ``qat.init: ptq``) gives each weight's post-training point; ``importance(P)`` the per-input-channel
     weights of the table refit (None: unweighted). ``plan``: the precision plan (each weight's format; default all
-    in ``fmt``)."""
+    in ``fmt``). ``timings`` gets each step's and checkpoint save's wall seconds (``step_s``, ``checkpoint_s``)."""
     plan = plan or Precision(fmt)
     if p.init == "ptq" and start is None:
         raise ValueError("parameter qat.init=ptq: no post-training start was given")
     from dvclive import Live
 
     launch = launch if launch is not None else launch_settings()
-    if launch.strategy == "fsdp2":
-        engine = FSDP2Engine(launch)
-    else:
-        engine = AccelerateEngine(launch)
+    engine = (FSDP2Engine if launch.strategy == "fsdp2" else AccelerateEngine)(launch)
     micro = check(p, examples, engine.world)
     torch.manual_seed(p.seed)
     processor = load_processor(teacher_source)
@@ -144,7 +142,6 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     student = engine.student(teacher_source, lambda model: quantise_student(model, plan, states, p, start, names), launch)
     bits = average_bits(student, fmt)
     lr = p.lr if p.lr is not None else p.lr_scale * recipe_lr(bits)
-    scale_lr = p.scale_lr
     optimizer = _optimizer(student, p, lr)
     base_lrs = [g["lr"] for g in optimizer.param_groups]
     student, optimizer = engine.prepare(student, optimizer)
@@ -164,7 +161,10 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
     lengths = sequence_lengths(examples, p.max_seq_len) if p.group_by_length else None
     with progress() as bar:
         task = bar.add_task(f"qat {fmt.name}", total=p.steps, completed=start)
+        timings = {} if timings is None else timings
+        timings.update(step_s=[], checkpoint_s=[])
         for step in range(start, p.steps):
+            t0 = time.perf_counter()
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = cosine(base, step, p.steps)
             picked = batch_indices(len(examples), p.batch_size, step, p.seed, lengths)
@@ -178,8 +178,11 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
                 _log(live, record)
             bar.update(task, completed=step + 1, description=f"qat {fmt.name} kl {record['kl']:.4f}")
             if (step + 1) % p.checkpoint_every == 0 and step + 1 < p.steps:
+                t1 = time.perf_counter()
                 engine.save(checkpoint, student, optimizer, step + 1, history, fingerprint)
+                timings["checkpoint_s"].append(round(time.perf_counter() - t1, 2))
             engine.barrier()
+            timings["step_s"].append(round(time.perf_counter() - t0, 2))
     seconds = time.perf_counter() - began
     summary = {}
     refit = engine.save_student(student, processor, out_dir,
@@ -189,10 +192,11 @@ def train(fmt: FormatBase, states: dict, teacher_source: str, teacher_dtype: str
         first = history[0]["kl"] if history else float("nan")
         last = sum(r["kl"] for r in history[-10:]) / max(len(history[-10:]), 1)
         summary = {"lr": lr, "bits_per_param": bits, "kl_first": first, "kl_last10": last, "init": p.init,
-                   "learn_scales": p.learn_scales, "scale_lr": scale_lr if p.learn_scales else None,
+                   "learn_scales": p.learn_scales, "scale_lr": p.scale_lr if p.learn_scales else None,
                    "refit_table": refit}
         console.print(f"qat-train {fmt.name}: {p.steps - start} steps in {seconds:.0f} s on {engine.world} "
-                      f"process(es), {launch.strategy}")
+                      f"process(es), {launch.strategy}; {len(timings['checkpoint_s'])} checkpoints in "
+                      f"{sum(timings['checkpoint_s']):.0f} s")
         live.end()
     engine.finish(checkpoint)                     # the finished student is the output now
     return summary
