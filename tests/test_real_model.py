@@ -216,6 +216,34 @@ def test_llama_cpp_files_are_made_from_the_unrotated_teacher(teacher, rotated_te
     assert (plain / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_the_reference_is_the_teacher_at_its_own_dtype(rotated_teacher, tmp_path, monkeypatch):
+    """A rotated teacher is float32 (in bf16 it is another model): the bench's reference is computed in float32, so
+    the teacher row's perplexity is the float32 model's (llama.cpp left out here)."""
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from pipeline import texts
+    from pipeline.eval.text import hf_logits_fn, window_nll
+    from pipeline.files.shards import write_shard
+
+    rows = [(i, [1, 5 + i, 9, 12], [20, 31 - i, 7, 2]) for i in range(4)]
+    table = pa.table({"index": [r[0] for r in rows], "image_ref": pa.array([None] * 4, pa.string()),
+                      "prompt_ids": [r[1] for r in rows], "response_ids": [r[2] for r in rows]})
+    write_shard(tmp_path / "answers" / "shard-00000.parquet", table, {"test": True})
+    monkeypatch.setattr(rm.generate, "llama_cpp_status", lambda: "llama.cpp: left out by the test")
+    out = tmp_path / "reports"
+    assert rm.main(["--teacher", str(rotated_teacher), "--teacher-data", str(tmp_path / "answers"), "--heldout", "2",
+                    "--packed", "", "--threads", "1", "--ppl-tokens", "64", "--ppl-window", "32",
+                    "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    teacher = json.loads((out / "real_model.json").read_text())["teacher"]
+    assert teacher["dtype"] == "float32" and "M parameters, float32," in (out / "real_model.md").read_text()
+    got = teacher["perplexity"]
+    windows = texts.corpus_windows(AutoTokenizer.from_pretrained(str(rotated_teacher)), 64, 32)
+    with torch.no_grad():
+        nll, n = window_nll(hf_logits_fn(_teacher_model(rotated_teacher)), windows)
+    assert got == pytest.approx(math.exp(nll / n), rel=1e-9)
+
+
 # --- report -------------------------------------------------------------------------------------------------------
 
 def _row(name, impl, fmt, method, bits, mb, kl, ppl, threads=1):

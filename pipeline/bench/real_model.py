@@ -341,7 +341,7 @@ def run(args, out_dir: str | Path | None = None) -> dict:
     console.print(f"real model: teacher {teacher_dir}, held-out answers from {args.teacher_data}")
     _, held = split_heldout(load_examples(args.teacher_data, config.vocab_size), args.heldout)
     windows = texts.corpus_windows(tokenizer, args.ppl_tokens, args.ppl_window)
-    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.bfloat16).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype="auto").eval()   # a rotated one: float32
     reference = text.TextReference.build(teacher, tokenizer, held, windows, max_seq_len=args.max_seq_len)
     teacher_scores = reference.score(text.hf_logits_fn(teacher))
     del teacher
@@ -366,7 +366,7 @@ def run(args, out_dir: str | Path | None = None) -> dict:
         ref_path = Path(args.work) / "text_reference.pt"       # the teacher's side, read by each quality child
         with atomic_path(ref_path) as tmp:
             torch.save(reference, tmp)
-        data = {"teacher": {"name": args.name or teacher_dir.name, "dir": str(teacher_dir),
+        data = {"teacher": {"name": args.name or teacher_dir.name, "dir": str(teacher_dir), "dtype": reference.teacher_dtype,
                             "source_gguf": str(source), "parameters": _teacher_n_params(teacher_dir),
                             "kl": 0.0, "top1_agreement": 1.0, "perplexity": teacher_scores["perplexity"],
                             "heldout_answers": len(reference.answers), "kl_tokens": teacher_scores["kl_tokens"],

@@ -13,6 +13,7 @@ from pipeline.files.atomic import atomic_path, write_json, write_text
 GOAL_MAX_BITS = 5.5          # llama.cpp files S3D8+QAT is compared with
 GOAL_SIZE_FRACTION = 0.5     # ... at this fraction of their size or less
 GOAL_PPL_FACTOR = 1.2        # S3D8+QAT perplexity within 20 % of the teacher's
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "float32"}   # the teacher as the reference computes it
 GOAL_SPEED = 1.3             # S3D8 decode vs llama.cpp's fastest file of the teacher, on each thread count
 # issue 38's goals: (label, which of our rows, direct-cast goal, QAT goal), perplexity as a multiple of the teacher's
 ALL_S3D8_BITS = 2.75         # "all S3D8": the whole model at most this many bits per weight
@@ -205,7 +206,7 @@ def write_report(data: dict, out_dir: str | Path) -> None:
     partial = "" if data.get("complete", True) else (
         f" (partial: {len(_models(data['rows']))} of {data.get('models_planned', '?')} models measured so far)")
     md = [f"# A real teacher side by side with llama.cpp{partial}", "",
-          f"Teacher: {t['name']} ({t['parameters'] / 1e6:.1f} M parameters, bf16, `{t['dir']}`; imported from "
+          f"Teacher: {t['name']} ({t['parameters'] / 1e6:.1f} M parameters, {DTYPES.get(t.get('dtype'), 'bf16')}, `{t['dir']}`; imported from "
           f"`{Path(t['source_gguf']).name}`), perplexity {t['perplexity']:.3f}. KL (teacher || model, per token) and "
           f"top-1 agreement over {t['kl_tokens']} response tokens of {t['heldout_answers']} held-out teacher answers "
           f"(`{t['teacher_data']}`); perplexity over {corpus['predicted_tokens']} predicted tokens of the held-out "
@@ -268,10 +269,11 @@ def plot(data: dict, path: Path) -> None:
                 ax.annotate(r["format"] if impl == "llama.cpp" else r["name"].removeprefix("ours "),
                             (r["bits_per_weight"], r[key]), fontsize=6, xytext=(3, 2), textcoords="offset points")
         if key == "perplexity":
-            ax.axhline(data["teacher"]["perplexity"], color="gray", ls="--", lw=1, label="teacher (bf16)")
+            ax.axhline(data["teacher"]["perplexity"], color="gray", ls="--", lw=1, label="teacher")
             ax.axhline(GOAL_PPL_FACTOR * data["teacher"]["perplexity"], color="gray", ls=":", lw=1,
                        label=f"teacher x {GOAL_PPL_FACTOR}")
-        ax.set_yscale("log")
+        if key == "perplexity" or any(r[key] > 0 for r in models):     # no model row: no KL to put on a log axis
+            ax.set_yscale("log")
         ax.set_xlabel("bits per weight (2-D weight tensors)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
