@@ -35,6 +35,9 @@ bins += [("answer pos 0-3", pos < 4), ("4-15", (pos >= 4) & (pos < 16)), ("16-31
          ("32-47", (pos >= 32) & (pos < 48)), ("48+", pos >= 48)]
 absolute = torch.cat([torch.arange(len(k)) + seq.start + 1 for (k, _), seq in zip(ours, ref.answers)])
 bins += [("sequence pos <48", absolute < 48), ("48-79", (absolute >= 48) & (absolute < 80)), ("80+", absolute >= 80)]
+# sequence and answer position go together (the prompts are 40-100 tokens): split one by the other
+bins += [("ans<16 & seq<80", (pos < 16) & (absolute < 80)), ("ans<16 & seq80+", (pos < 16) & (absolute >= 80)),
+         ("ans16+ & seq<80", (pos >= 16) & (absolute < 80)), ("ans16+ & seq80+", (pos >= 16) & (absolute >= 80))]
 for name, m in bins:
     print(f"{name:17s} n={int(m.sum()):5d} ours {a[m].mean():.3f} iq4nl {b[m].mean():.3f} share of ours' excess {((a-b)[m].sum()/(a-b).sum()):.2f}")
 for frac in (0.01, 0.05, 0.2):
