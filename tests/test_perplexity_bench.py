@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("gguf")
 
 from pipeline.bench import perplexity  # noqa: E402
-from tests.test_real_model import teacher, bf16_gguf  # noqa: E402,F401  (fixtures)
+from tests.test_real_model import _teacher_model, bf16_gguf, rotated_teacher, teacher  # noqa: E402,F401  (fixtures)
 
 
 def _pack(teacher_dir, model, root):
@@ -63,6 +63,25 @@ def test_packed_and_gguf_rows_against_the_teacher_on_a_text(teacher, bf16_gguf, 
         assert res["rows"][1]["x_teacher"] == pytest.approx(1, abs=0.02)
     md = (tmp_path / "out.md").read_text()
     assert "| ours s3d8 direct-cast |" in md and str(text) in md
+
+
+def test_the_teacher_at_its_own_dtype(rotated_teacher, tmp_path):  # noqa: F811
+    """A rotated teacher is float32 (in bf16 another model): its perplexity is the float32 model's, and says so."""
+    from transformers import AutoTokenizer
+
+    from pipeline.eval.text import hf_logits_fn, window_nll
+    from pipeline.texts import text_windows
+
+    text = tmp_path / "text.txt"
+    text.write_text("a bird in the hand is worth two in the bush " * 8, encoding="utf-8")
+    assert perplexity.main(["--text", str(text), "--teacher", str(rotated_teacher), "--packed", "", "--tokens", "48",
+                            "--window", "16", "--threads", "1", "--out", str(tmp_path / "out")]) == 0
+    res = json.loads((tmp_path / "out.json").read_text())["teacher"]
+    windows = text_windows(text.read_text(), AutoTokenizer.from_pretrained(str(rotated_teacher)), 3, 16, "test")
+    with torch.no_grad():
+        nll, n = window_nll(hf_logits_fn(_teacher_model(rotated_teacher)), windows)
+    assert res["dtype"] == "float32" and res["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-9)
+    assert ", float32) perplexity" in (tmp_path / "out.md").read_text()
 
 
 def test_a_text_that_is_not_utf8_is_named(teacher, tmp_path):  # noqa: F811

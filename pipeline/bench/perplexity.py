@@ -42,7 +42,8 @@ def measure(text_path: Path, teacher_dir: Path, packed_root: str, ggufs: list[st
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
     windows = texts.text_windows(body, tokenizer, -(-tokens // window), window, f"--text {text_path}")
     config = AutoConfig.from_pretrained(str(teacher_dir))
-    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.bfloat16).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype="auto").eval()  # a rotated one: float32
+    dtype = str(teacher.dtype).removeprefix("torch.")
     r = _nll(hf_logits_fn(teacher), windows)
     teacher_ppl, tokens = math.exp(r["nll"] / r["tokens"]), r["tokens"]
     del teacher
@@ -69,7 +70,7 @@ def measure(text_path: Path, teacher_dir: Path, packed_root: str, ggufs: list[st
             bar.advance(task)
     return {"text": {"path": str(text_path), "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw),
                      "windows": len(windows), "window": window, "predicted_tokens": tokens},
-            "teacher": {"dir": str(teacher_dir), "dtype": "bfloat16", "perplexity": teacher_ppl},
+            "teacher": {"dir": str(teacher_dir), "dtype": dtype, "perplexity": teacher_ppl},
             "machine": machine.describe(), "threads": threads, "rows": rows}
 
 
@@ -130,8 +131,8 @@ def report_md(res: dict, command: str) -> str:
     t = res["text"]
     lines = [f"# Perplexity on a text nothing was calibrated or trained on: `{t['path']}`", "", f"`{command}`", "",
              f"Text: {t['bytes']} bytes (sha256 {t['sha256'][:16]}...), {t['windows']} windows of <= {t['window']} "
-             f"tokens, {t['predicted_tokens']} predicted tokens. Teacher (`{res['teacher']['dir']}`, bf16) perplexity "
-             f"{res['teacher']['perplexity']:.3f}.", "",
+             f"tokens, {t['predicted_tokens']} predicted tokens. Teacher (`{res['teacher']['dir']}`, "
+             f"{res['teacher']['dtype']}) perplexity {res['teacher']['perplexity']:.3f}.", "",
              f"Machine: {machine.line(res['machine'])}; {res['threads']} threads.", "",
              "| model | file MB | perplexity | x teacher |", "| --- | --- | --- | --- |"]
     for r in res["rows"]:
