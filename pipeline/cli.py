@@ -98,7 +98,7 @@ def pack_model(args) -> dict:
         staging = Path(tmp) / "cast"
         staging.mkdir()
         direct_cast.cast_in_order(plan, model, inputs, lambda name: None, args.algorithm, staging, "s3d8 pack",
-                                  on_matrix=lambda: bar.advance(task))
+                                  on_matrix=lambda: bar.advance(task), act_order=args.act_order)
         groups: dict[str, list[str]] = {}
         for name in names:
             groups.setdefault(direct_cast.group_of(name), []).append(name)
@@ -110,7 +110,7 @@ def pack_model(args) -> dict:
         encode = lambda name, weight, state: cast.packed(name, weight.shape)  # noqa: E731
         metadata = {"method": "direct-cast", "source_model": args.model, "config": json.loads(
             (source / "config.json").read_text()), "pack_command": {
-                "algorithm": args.algorithm, "precision": plan.rules, "rotate": args.rotate, "seed": args.seed,
+                "algorithm": args.algorithm, "act_order": args.act_order, "precision": plan.rules, "rotate": args.rotate, "seed": args.seed,
                 "calibration": what, "windows": len(inputs), "window": args.window},
             **({"rotate": args.rotate, "rotate_seed": args.seed} if args.rotate != "none" else {})}
         if as_dir:      # the Hugging Face directory pack-safetensors writes (config, processor, card), atomically
@@ -305,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: embed_tokens$=int8, the token embedding and a tied output head in INT8)")
     p.add_argument("--algorithm", default="gptq", choices=["gptq", "search", "absmax"],
                    help="post-training algorithm; gptq takes each matrix's X^T X from the partly cast model (default)")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=False,
+                   help="gptq: round each matrix's columns by decreasing X^T X diagonal (GPTQModel's desc_act; pays "
+                        "with many calibration windows, e.g. 128 x 512 tokens; default: off)")
     p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: half the windows from the "
                                          "Python documentation's prose, pydoc_data's topics, the half perplexity is "
                                          "not measured on; half from the public-domain English the package ships)")

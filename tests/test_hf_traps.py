@@ -53,8 +53,10 @@ def test_cli_pack_writes_the_hugging_face_directory(teacher, tmp_path, capsys):
     assert "is not a packed model directory" in capsys.readouterr().err and (other / "notes.txt").exists()
     assert main(["pack", str(teacher), str(teacher)]) == 1
     assert "would replace the model it packs" in capsys.readouterr().err
-    assert main(["pack", str(teacher), str(tmp_path / "alone.safetensors")]) == 0    # a file stays a file
-    assert read_metadata(tmp_path / "alone.safetensors")["format"] == "s3d8"
+    assert main(["pack", str(teacher), str(tmp_path / "alone.safetensors"), "--act-order"]) == 0   # a file stays
+    assert read_metadata(tmp_path / "alone.safetensors")["format"] == "s3d8"                          # a file
+    assert [json.loads(read_metadata(f)["pack_command"])["act_order"]
+            for f in (out / "model.safetensors", tmp_path / "alone.safetensors")] == [False, True]
 
 
 # --- 1b: every combination of config and transformers -----------------------------------------------------

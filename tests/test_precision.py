@@ -320,7 +320,7 @@ def test_self_generated_calibration_text_is_seeded_and_full_length():
     model = tiny_llama(tied=True)
     tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
     p = CalibrateParams(n_prompts=3, max_seq_len=10, seed=4, threads=0, hessian_memory_gb=1.0, source="self",
-                        sequential=True)
+                        sequential=True, act_order=True)
     a = calibration_inputs(p, tokenizer, "unused", 0, model.config.vocab_size, teacher=model)
     b = calibration_inputs(p, tokenizer, "unused", 0, model.config.vocab_size, teacher=model)
     assert len(a) == 3 and all(x["input_ids"].shape == (1, 10) and x["input_ids"][0, 0] == 1 for x in a)
@@ -351,7 +351,7 @@ def test_joined_calibration_sources_read_each_in_turn(tmp_path):
 
     def params(source):
         return CalibrateParams(n_prompts=2, max_seq_len=8, seed=4, threads=0, hessian_memory_gb=1.0, source=source,
-                               sequential=True)
+                               sequential=True, act_order=True)
 
     def inputs(source):
         return calibration_inputs(params(source), tokenizer, "unused", 0, model.config.vocab_size, teacher=model)

@@ -7,7 +7,7 @@ import torch
 
 from pipeline import formats
 from pipeline.cast import ptq
-from pipeline.formats import s3d8, scalar
+from pipeline.formats import numerics, s3d8, scalar
 
 
 def heavy(d_out: int, d_in: int, seed: int, dof: float = 3.0) -> torch.Tensor:
@@ -227,6 +227,33 @@ def test_gptq_lowers_the_output_error():
         search = output_error(w, cast(name, w, algorithm="search", importance=h.diagonal()), held_out)
         gptq = output_error(w, cast(name, w, algorithm="gptq", hessian=h), held_out)
         assert gptq < 0.8 * direct and gptq < search, (name, direct, search, gptq)
+
+
+def test_gptq_act_order():
+    """Columns by decreasing H[k, k]: each rounded under its own index, and the result put back in place (with a
+    diagonal H there is no error feedback, so the order cannot matter); on inputs of unequal gains, where it is
+    meant to pay, the held-out output error is lower than in index order for every seed."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(6, 10, generator=gen)
+    calls = []
+
+    def rounded(k, col):
+        calls.append(k)
+        return (col * 4).round() / 4
+
+    diag = torch.diag(torch.rand(10, generator=gen) + 0.5)
+    q = numerics.gptq(w, diag, rounded, block=4)
+    assert calls == torch.argsort(diag.diagonal(), descending=True).tolist()
+    assert torch.equal(q, numerics.gptq(w, diag, rounded, act_order=False)) and torch.equal(q, (w * 4).round() / 4)
+    for seed in range(3):
+        w = heavy(48, 64, seed=7 + seed)
+        x, held_out = correlated_inputs(2000, 64, seed=8 + seed).split(1000)
+        h = x.T @ x / x.shape[0]
+        for name in ("s3d8", "int"):
+            fmt = formats.get(name)
+            err = {a: output_error(w, fmt.unpack(ptq.pack(fmt, w, algorithm="gptq", hessian=h, act_order=a),
+                                                 w.shape), held_out) for a in (False, True)}
+            assert err[True] < err[False], (seed, name, err)
 
 
 def test_gptq_with_the_diagonal_only_is_the_weighted_search():

@@ -126,7 +126,8 @@ def test_a_planted_pickle_never_runs_and_training_starts_afresh(chain, tmp_path,
 
 def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     """calibrate holds X^T X for every quantised Linear (symmetric, finite); pack.algorithm=gptq (the default) uses
-    it: its direct cast has a lower output error tr(dW H dW^T) on the calibration set than the scale search's."""
+    it: its direct cast has a lower output error tr(dW H dW^T) on the calibration set than the scale search's, with
+    calibrate.act_order or without it (the default; other codes, recorded in the cast's index)."""
     import torch
 
     from pipeline.packed.checkpoint import CheckpointReader
@@ -139,23 +140,28 @@ def test_calibrate_and_pack_by_gptq(chain, tmp_path, teacher):
     assert any(k.endswith("down_proj") for k in hessians) and not any("embed" in k for k in hessians)
     for name, h in hessians.items():
         assert torch.isfinite(h).all() and torch.equal(h, h.T) and bool((h.diagonal() >= 0).all()), name
-    cwd = workdir(tmp_path, teacher, **{"pack.algorithm": "search"})
-    for part in ("data/centroids", "data/calibration", "models/qat"):
-        shutil.copytree(chain / part, cwd / part)
-    run_stage(cwd, "direct_cast.py", "--format", "s3d8")
-    run_stage(cwd, "pack_safetensors.py", "--format", "s3d8")
+    runs = {"gptq": chain}
+    for name, setting in (("search", {"pack.algorithm": "search"}), ("act-order", {"calibrate.act_order": True})):
+        runs[name] = cwd = workdir(tmp_path / name.replace(" ", "-"), teacher, **setting)
+        for part in ("data/centroids", "data/calibration", "models/qat"):
+            shutil.copytree(chain / part, cwd / part)
+        run_stage(cwd, "direct_cast.py", "--format", "s3d8")
+        run_stage(cwd, "pack_safetensors.py", "--format", "s3d8")
+    index = {k: json.loads((root / "models/direct-cast/s3d8/index.json").read_text()) for k, root in runs.items()}
+    assert [index[k]["metadata"]["act_order"] for k in ("gptq", "act-order")] == [False, True], index
     teacher_w = CheckpointReader(teacher)
     module_of = {saved.removesuffix(".weight"): module
                  for module, saved in quantised_weight_names(meta_model(load_config(str(teacher)))).items()}
     errors = {}
-    for algorithm, root in (("gptq", chain), ("search", cwd)):
+    for algorithm, root in runs.items():
         model = load_packed_model(root / "models/packed/s3d8/direct-cast/model.safetensors", act_quant=False)
         total = 0.0
         for name, h in hessians.items():
             dw = model.get_submodule(module_of[name]).weight.float() - teacher_w.get(f"{name}.weight").float()
             total += float(torch.einsum("ij,jk,ik->", dw, h, dw))
         errors[algorithm] = total
-    assert errors["gptq"] < errors["search"], errors
+    assert errors["gptq"] < errors["search"] and errors["act-order"] < errors["search"], errors
+    assert errors["act-order"] != errors["gptq"], errors
 
 
 def test_qat_from_the_ptq_point_with_learned_scales_and_a_table_refit(chain, tmp_path, teacher):

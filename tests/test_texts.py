@@ -41,7 +41,7 @@ def test_calibration_source_english_reads_the_shipped_text(tokenizer):
 
     def params(source):
         return CalibrateParams(n_prompts=3, max_seq_len=64, seed=0, threads=0, hessian_memory_gb=1.0, source=source,
-                               sequential=True)
+                               sequential=True, act_order=True)
 
     got = calibration_inputs(params("english"), tokenizer, "unused", 0, len(tokenizer))
     want = text_windows(texts.read("english"), tokenizer, 3, 64, "english")

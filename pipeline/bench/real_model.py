@@ -404,7 +404,9 @@ def params_defaults() -> dict:
     try:
         from pipeline.params import read
         p = read(ROOT / "params.yaml")
-    except Exception:  # no or unreadable params.yaml: the built-in defaults
+    except Exception as e:  # no params.yaml, or an unreadable one (said): the built-in defaults
+        if (ROOT / "params.yaml").exists():
+            print(f"warning: {ROOT / 'params.yaml'}: {e}; the built-in defaults apply", file=sys.stderr)
         return {}
     teacher, ev = p.get("teacher"), p.get("eval")
     return {"teacher": getattr(teacher, "dir", None), "heldout": p.get("heldout_prompts"),
@@ -414,9 +416,8 @@ def params_defaults() -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     d = params_defaults()
-    ap = argparse.ArgumentParser(prog="python -m pipeline.bench.real_model",
-                                 description="A real teacher, ours and llama.cpp's quantisations side by side "
-                                             ": reports/real_model.{json,md,png}")
+    ap = argparse.ArgumentParser(prog="python -m pipeline.bench.real_model", description="A real teacher, ours and "
+                                 "llama.cpp's quantisations side by side : reports/real_model.{json,md,png}")
     ap.add_argument("--teacher", default=d.get("teacher"),
                     help="the teacher's bf16 Hugging Face directory (python -m pipeline.teacher import ...); "
                          "default: params.yaml teacher.dir (%(default)s)")
@@ -446,8 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="llama.cpp file types: 'all' (every quantisation type of llama-quantize), 'required' (the "
                          "issue's seven) or a comma list (Q8_0,Q4_K_M,...); each also with the token embedding at its "
                          "type unless given as X+embd:Y (default %(default)s)")
-    ap.add_argument("--work", default=str(WORK_DIR),
-                    help="where the GGUF files are written and kept (default %(default)s)")
+    ap.add_argument("--work", default=str(WORK_DIR), help="where GGUF files are written and kept (default %(default)s)")
     ap.add_argument("--threads", default="1,2", help="thread counts of the speed rows (default %(default)s); "
                                                      "quality runs on the largest")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="speed: prompt length (default %(default)s)")

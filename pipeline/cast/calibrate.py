@@ -92,6 +92,7 @@ class CalibrateParams:
     source: str                            # teacher-answers | corpus | english | self | file:PATH, or several
                                            # joined by +
     sequential: bool                       # the direct cast's X^T X from the partly cast model (GPTQ's order)
+    act_order: bool                        # GPTQ rounds the columns by decreasing X^T X diagonal (desc_act)
 
     def __post_init__(self) -> None:
         check_source(self.source)

@@ -85,22 +85,24 @@ def gptq_cost(shape) -> float:
     return float(d_out) * d_in * d_in
 
 
-def cast_one(plan: Precision, name: str, weight: torch.Tensor, algorithm: str, hessian, fitted):
+def cast_one(plan: Precision, name: str, weight: torch.Tensor, algorithm: str, hessian, fitted,
+             act_order: bool = True):
     """``(packed tensors, master)`` of weight ``name`` in its planned format: ``algorithm`` for the plan's comparison
-    format (from its ``fitted`` state), ``absmax`` for the others (INT8's only algorithm)."""
+    format (from its ``fitted`` state; GPTQ with ``act_order`` or not), ``absmax`` for the others (INT8's only
+    algorithm)."""
     fmt = plan.format_of(name)
     if not fmt.comparison:
         return ptq.cast(fmt, weight, algorithm="absmax")
-    return ptq.cast(fmt, weight, algorithm=algorithm, hessian=hessian, fitted=fitted(name))
+    return ptq.cast(fmt, weight, algorithm=algorithm, hessian=hessian, fitted=fitted(name), act_order=act_order)
 
 
 def cast_group(plan: Precision, names: list[str], weight, fitted, hessian, algorithm: str, path: Path,
-               fingerprint: str, on_matrix=None) -> None:
+               fingerprint: str, on_matrix=None, act_order: bool = True) -> None:
     """Cast the weights ``names`` (checkpoint ``P`` of ``P.weight``) and write them to ``path``: ``weight(P)``,
     ``fitted(P)`` and ``hessian(P)`` give the teacher's weight, the fitted state and ``X^T X`` (or None)."""
     tensors = {}
     for name in names:
-        packed, master = cast_one(plan, name, weight(name), algorithm, hessian(name), fitted)
+        packed, master = cast_one(plan, name, weight(name), algorithm, hessian(name), fitted, act_order)
         tensors.update({f"{name}.{k}": v.cpu().contiguous() for k, v in packed.items()})
         tensors[f"{name}.master"] = master.cpu().contiguous()
         if on_matrix is not None:
@@ -118,7 +120,7 @@ def write_group(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 
 def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, algorithm: str, staging: Path, fingerprint: str,
-                  on_matrix=None) -> None:
+                  on_matrix=None, act_order: bool = True) -> None:
     """The sequential cast (:mod:`pipeline.cast.sequential`) of ``model`` (the teacher in float32, cast in place) over
     the calibration ``inputs``, each decoder layer's file written to ``staging`` as soon as its weights are cast. A file
     finished by an earlier run with the same ``fingerprint`` is read back instead of recast (its decoded weights
@@ -134,7 +136,7 @@ def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, algorithm:
             with safe_open(str(path), "pt") as f:
                 tensors = {s: f.get_tensor(f"{name}.{s}") for s in fmt.suffixes}
         else:
-            tensors, master = cast_one(plan, name, weight, algorithm, hessian, fitted)
+            tensors, master = cast_one(plan, name, weight, algorithm, hessian, fitted, act_order)
             pending[name] = {**{f"{name}.{k}": v.cpu().contiguous() for k, v in tensors.items()},
                              f"{name}.master": master.cpu().contiguous()}
         if on_matrix is not None:

@@ -105,13 +105,15 @@ def check_hessian(hessian: torch.Tensor | None, d_in: int) -> torch.Tensor | Non
 
 def pack(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
          importance: torch.Tensor | None = None, hessian: torch.Tensor | None = None, seed: int = 0,
-         fitted: State | None = None, compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+         fitted: State | None = None, compensated: torch.Tensor | None = None,
+         act_order: bool = True) -> dict[str, torch.Tensor]:
     """The packed tensors (``{suffix: tensor}``, as ``fmt.pack`` lays them out) of ``weight`` cast to format
     ``fmt`` by ``algorithm`` (``absmax``, the only one for the formats outside the comparison: int8, bf16; the
     stages take it from parameter ``pack.algorithm``). What a packer writes. ``fitted``: the format's
     ``fit(weight, seed)`` when already at hand (stage fit-centroids' state of this weight), which every algorithm
     starts from; fitted here otherwise. ``compensated`` (float32 ``[d_out, d_in]``, for :func:`cast`) receives
-    GPTQ's error-compensated weights when the algorithm runs GPTQ, else stays untouched."""
+    GPTQ's error-compensated weights when the algorithm runs GPTQ, else stays untouched. ``act_order``: GPTQ takes the
+    columns by decreasing ``H[k, k]`` (parameter ``calibrate.act_order``; ``numerics.gptq``)."""
     check_weight(weight)
     algorithm = check_algorithm(algorithm)
     d_in = weight.shape[1]
@@ -127,7 +129,7 @@ def pack(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
         algorithm = "search"          # the diagonal alone gives no error feedback: exactly the weighted search
     w = weight.detach().float()
     if algorithm == "gptq":
-        return fmt.gptq(w, hessian, seed=seed, fitted=fitted, compensated=compensated)
+        return fmt.gptq(w, hessian, seed=seed, fitted=fitted, compensated=compensated, act_order=act_order)
     if hessian is not None:
         importance = hessian.diagonal().contiguous()
     state, scale = fmt.search(w, importance, seed=seed, fitted=fitted)
@@ -152,7 +154,7 @@ def direct_cast(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
 
 def cast(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
          hessian: torch.Tensor | None = None, seed: int = 0,
-         fitted: State | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+         fitted: State | None = None, act_order: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The direct cast and the point QAT can start from, in one computation: ``(packed tensors, master)``, the
     tensors :func:`pack` writes and a float32 master weight such that quantising it at their state and scale
     gives those tensors' decoded weight bit for bit.
@@ -163,7 +165,8 @@ def cast(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
     the cast's (an S3D8 byte: all three of its weights, ``fmt.whole_codes``), it starts at its decoded value."""
     w = weight.detach().float()
     compensated = torch.full_like(w, float("nan"))
-    tensors = pack(fmt, w, algorithm=algorithm, hessian=hessian, seed=seed, fitted=fitted, compensated=compensated)
+    tensors = pack(fmt, w, algorithm=algorithm, hessian=hessian, seed=seed, fitted=fitted, compensated=compensated,
+                   act_order=act_order)
     state, scale = fmt.state_of(tensors), tensors["scale"]
     decoded = fmt.unpack(tensors, tuple(w.shape))
     master = w if bool(compensated.isnan().all()) else compensated

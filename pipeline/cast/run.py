@@ -60,7 +60,8 @@ def run(fmt: FormatBase, doc: dict, teacher_data: str) -> None:
     read = [*root.glob("*.safetensors"), *([Path(CALIBRATION)] if calibration.path else [])]
     fp = ranks.on_rank0(launch, sum(f.stat().st_size for f in read), lambda: cast_fingerprint(
         [fmt.name, algorithm, plan.rules, file_hash(state_file), on.type, cpu_numerics.pinned(),
-         calibration_fingerprint(cal, teacher_data) if in_order else None], root, calibration.path), share=True)
+         calibration_fingerprint(cal, teacher_data) if in_order else None, cal.act_order], root, calibration.path),
+        share=True)
     staging = Path(f"checkpoints/direct-cast/{fmt.name}")
     staging.mkdir(parents=True, exist_ok=True)
     costs = {g: sum(gptq_cost(reader.shape(f"{n}.weight")) for n in ns) for g, ns in groups.items()}
@@ -73,7 +74,8 @@ def run(fmt: FormatBase, doc: dict, teacher_data: str) -> None:
     if ranks.collect(f"direct-cast-{fmt.name}", None) is None:
         return                                     # rank 0 assembles once every process has handed over
     out_dir = Path(f"models/direct-cast/{fmt.name}")
-    _assemble(out_dir, staging, plan, algorithm, groups, {"fit_state": file_hash(state_file), "device": on.type})
+    _assemble(out_dir, staging, plan, algorithm, groups, {"fit_state": file_hash(state_file), "device": on.type,
+                                                          "act_order": cal.act_order})
     run_log(f"direct-cast-{fmt.name}", seconds=round(time.perf_counter() - began, 1), processes=world)
     console.print(f"[green]direct-cast[/] {plan.describe()} ({algorithm}): {sum(map(len, groups.values()))} matrices "
                     f"in {len(groups)} files -> {out_dir}")
@@ -121,10 +123,11 @@ def _cast(plan, groups, todo, reader, states, calibration, doc, teacher_data, st
                                                   doc["heldout_prompts"], token_ids(model.config),
                                                   doc["sample"].images, teacher=model)]
             bar.update(task, total=sum(map(len, groups.values())))
-            cast_in_order(plan, model, inputs, fitted, algorithm, staging, fp, on_matrix=lambda: bar.advance(task))
+            cast_in_order(plan, model, inputs, fitted, algorithm, staging, fp, on_matrix=lambda: bar.advance(task),
+                          act_order=doc["calibrate"].act_order)
         for g in [] if in_order else todo:
             cast_group(plan, groups[g], weight, fitted, hessian, algorithm, staging / f"{g}.safetensors", fp,
-                       on_matrix=lambda: bar.advance(task))
+                       on_matrix=lambda: bar.advance(task), act_order=doc["calibrate"].act_order)
 
 
 def _assemble(out_dir: Path, staging: Path, plan: Precision, algorithm: str, groups: dict, extra: dict) -> None:

@@ -170,9 +170,10 @@ class FormatBase:
         self._no_ptq("post-training methods")
 
     def gptq(self, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, fitted: State | None = None,
-             compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+             compensated: torch.Tensor | None = None, act_order: bool = True) -> dict[str, torch.Tensor]:
         """The ``gptq`` method: packed tensors by error feedback through ``hessian`` on top of the search's start;
-        ``compensated`` (float32 ``[d_out, d_in]``) receives the error-compensated weights it rounded."""
+        ``compensated`` (float32 ``[d_out, d_in]``) receives the error-compensated weights it rounded;
+        ``act_order``: the columns by decreasing ``H[k, k]`` (``numerics.gptq``)."""
         self._no_ptq("post-training methods")
 
     def whole_codes(self, same: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,11 @@ LS_STEPS = 2                  # least-squares scale refinements after each grid 
 KMEANS_VECTORS = 2 ** 18      # vectors a table refit uses at most (a seeded sample beyond)
 GPTQ_BLOCK = 128
 GPTQ_DAMP = 0.01
+GPTQ_ACT_ORDER = True
+"""Columns in order of decreasing ``H[k, k]`` (GPTQ's ``act_order``, GPTQModel's ``desc_act``): the columns that
+carry the most signal are rounded first, while the most later columns remain to take up their error. Every
+format's scales are fixed before the error feedback (per row, or per block from the search: ``static_groups``), so
+the order changes which codes are chosen, never the layout."""
 
 SMALLEST_SCALE = 2.0 ** -126
 """The smallest normal float (exact in bf16): the scale of an all-zero row or block (SPEC section 1), so it
@@ -43,11 +48,12 @@ def least_squares_scale(w: torch.Tensor, t: torch.Tensor, h: torch.Tensor, curre
 
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, quant_col, *, block: int = GPTQ_BLOCK,
-         damp: float = GPTQ_DAMP) -> torch.Tensor:
-    """GPTQ error feedback (lazy block updates): columns in order, each quantised by
-    ``quant_col(k, column) -> quantised column`` and its error spread over the later columns through the upper
-    Cholesky factor of ``H^-1`` (``H`` damped by ``damp * mean(diag H)``). Input channels that never carry
-    signal (``H[k, k] == 0``) are set to zero first. Returns the quantised weight."""
+         damp: float = GPTQ_DAMP, act_order: bool = GPTQ_ACT_ORDER) -> torch.Tensor:
+    """GPTQ error feedback (lazy block updates): columns one at a time (by decreasing ``H[k, k]`` with
+    ``act_order``, else in index order), each quantised by ``quant_col(k, column) -> quantised column`` (``k`` the
+    column's own index) and its error spread over the later columns through the upper Cholesky factor of ``H^-1``
+    (``H`` damped by ``damp * mean(diag H)``). Input channels that never carry signal (``H[k, k] == 0``) are set
+    to zero first. Returns the quantised weight."""
     w = weight.detach().float().clone()
     h = hessian.detach().double().clone()
     d_in = w.shape[1]
@@ -55,6 +61,9 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, quant_col, *, block: int =
     h[dead, dead] = 1
     w[:, dead] = 0
     h += damp * h.diagonal().mean() * torch.eye(d_in, dtype=torch.float64, device=h.device)
+    order = (torch.argsort(h.diagonal(), descending=True, stable=True) if act_order
+             else torch.arange(d_in, device=h.device))
+    w, h, cols = w[:, order], h[order][:, order], order.tolist()
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     q = torch.zeros_like(w)
     for i1 in range(0, d_in, block):
@@ -64,8 +73,8 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, quant_col, *, block: int =
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = w1[:, i]
-            qc = quant_col(i1 + i, col)
-            q[:, i1 + i] = qc
+            qc = quant_col(cols[i1 + i], col)
+            q[:, cols[i1 + i]] = qc
             e = (col - qc) / u1[i, i]
             w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
             err1[:, i] = e

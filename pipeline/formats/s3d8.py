@@ -498,11 +498,12 @@ def search(weight: torch.Tensor, importance: torch.Tensor | None = None, *, seed
 
 
 def gptq_pack(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None,
-              compensated: torch.Tensor | None = None):
+              compensated: torch.Tensor | None = None, act_order: bool = numerics.GPTQ_ACT_ORDER):
     """The ``gptq`` post-training method: ``(packed, scale bf16 [d_out, 1], table)``. ``start``: the
     ``(table, scale)`` of ``search(weight, diag(hessian), seed=seed)`` when already at hand.
     ``compensated`` (float32 ``[d_out, d_in]``) receives the error-compensated weights GPTQ quantised, rescaled
-    with the refitted row scales (so their nearest codes are the result's, up to rounding)."""
+    with the refitted row scales (so their nearest codes are the result's, up to rounding). ``act_order``: the
+    columns by decreasing ``H[k, k]`` (``numerics.gptq``)."""
     w = weight.detach().float()
     d_out, d_in = w.shape
     table, scale = search(w, hessian.diagonal(), seed=seed) if start is None else start
@@ -530,7 +531,7 @@ def gptq_pack(weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, sta
         mag = t[q]
         return (torch.where(neg & (mag != 0), -mag, mag).reshape(-1) * sf)[:d_out]
 
-    numerics.gptq(w, hessian, quant_col)
+    numerics.gptq(w, hessian, quant_col, act_order=act_order)
     packed = pack_codes(codes, signs)
     # refit each row's scale for the output error, codes kept: s = (w H t) / (t H t)
     ti = decode_int8(packed, table, (d_out, d_in)).double()
@@ -631,9 +632,11 @@ class S3D8(FormatBase):
         return {"table": table}, scale
 
     def gptq(self, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, fitted: State | None = None,
-             compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+             compensated: torch.Tensor | None = None,
+             act_order: bool = numerics.GPTQ_ACT_ORDER) -> dict[str, torch.Tensor]:
         start = search(weight, hessian.diagonal(), seed=seed, table=None if fitted is None else fitted["table"])
-        packed, scale, table = gptq_pack(weight, hessian, seed=seed, start=start, compensated=compensated)
+        packed, scale, table = gptq_pack(weight, hessian, seed=seed, start=start, compensated=compensated,
+                                         act_order=act_order)
         return {"packed": packed.reshape(-1), "scale": scale, "table": table}
 
     def whole_codes(self, same: torch.Tensor) -> torch.Tensor:

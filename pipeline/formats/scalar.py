@@ -232,10 +232,11 @@ def search(fmt, weight: torch.Tensor, importance: torch.Tensor | None = None, *,
 
 
 def gptq_pack(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, start=None,
-              compensated: torch.Tensor | None = None):
+              compensated: torch.Tensor | None = None, act_order: bool = numerics.GPTQ_ACT_ORDER):
     """The ``gptq`` method for a 6-level format: ``(codes uint8, scale, codepoints)``. ``start``: the
     ``(codepoints, scale)`` of ``search(fmt, weight, diag(hessian), seed=seed)`` when at hand.
-    ``compensated`` receives the error-compensated weights GPTQ quantised."""
+    ``compensated`` receives the error-compensated weights GPTQ quantised; ``act_order`` as ``numerics.gptq``
+    (the block scales are the search's, fixed before it: GPTQ's ``static_groups``)."""
     w = weight.detach().float()
     d_out, d_in = w.shape
     codepoints, scale = search(fmt, w, hessian.diagonal(), seed=seed) if start is None else start
@@ -251,7 +252,7 @@ def gptq_pack(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0
             compensated[:, k] = col
         return codepoints[c] * s
 
-    numerics.gptq(w, hessian, quant_col)
+    numerics.gptq(w, hessian, quant_col, act_order=act_order)
     return pack_codes(codes, d_out, d_in), scale, codepoints
 
 
@@ -332,10 +333,12 @@ class Scalar6(FormatBase):
         return {"codepoints": codepoints}, scale
 
     def gptq(self, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, fitted: State | None = None,
-             compensated: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+             compensated: torch.Tensor | None = None,
+             act_order: bool = numerics.GPTQ_ACT_ORDER) -> dict[str, torch.Tensor]:
         start = search(self, weight, hessian.diagonal(), seed=seed,
                        codepoints=None if fitted is None else fitted["codepoints"])
-        codes, scale, codepoints = gptq_pack(self, weight, hessian, seed=seed, start=start, compensated=compensated)
+        codes, scale, codepoints = gptq_pack(self, weight, hessian, seed=seed, start=start, compensated=compensated,
+                                             act_order=act_order)
         return {"codes": codes, "scale": scale, "codepoints": codepoints}
 
     def row_block(self, tensors, shape, r0: int, r1: int):
