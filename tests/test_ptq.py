@@ -242,7 +242,7 @@ def test_gptq_act_order():
         return (col * 4).round() / 4
 
     diag = torch.diag(torch.rand(10, generator=gen) + 0.5)
-    q = numerics.gptq(w, diag, rounded, block=4)
+    q = numerics.gptq(w, diag, rounded, block=4, act_order=True)
     assert calls == torch.argsort(diag.diagonal(), descending=True).tolist()
     assert torch.equal(q, numerics.gptq(w, diag, rounded, act_order=False)) and torch.equal(q, (w * 4).round() / 4)
     for seed in range(3):
