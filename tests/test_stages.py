@@ -349,12 +349,11 @@ def test_direct_cast_is_ptq_bit_for_bit_and_what_pack_and_qat_read(chain, teache
     assert len(cast.weight_map) > 10
     for name in cast.weight_map:
         w = teacher_w.get(f"{name}.weight").float()
-        want = ptq.pack(fmt, w, algorithm="gptq", hessian=hessians.get(name), act_order=False)  # calibrate.act_order
+        want = ptq.pack(fmt, w, algorithm="gptq", hessian=hessians.get(name))
         got = cast.packed(name, w.shape)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
         assert all(torch.equal(packed.get_tensor(f"{name}.weight.{k}"), got[k]) for k in fmt.suffixes), name
-        tensors, master = ptq.cast(fmt, w, algorithm="gptq", hessian=hessians.get(name), act_order=False)
-        state, scale = fmt.state_of(tensors), tensors["scale"]             # what ptq.start takes from the cast
+        master, state, scale = ptq.start(fmt, w, algorithm="gptq", hessian=hessians.get(name))
         m2, s2, sc2 = cast.start(name, w)
         assert torch.equal(master, m2) and torch.equal(scale, sc2) and torch.equal(state["table"], s2["table"]), name
     with pytest.raises(ValueError, match="pack.algorithm is 'search'"):

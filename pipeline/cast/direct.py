@@ -31,6 +31,7 @@ from safetensors import safe_open
 from pipeline import formats
 from pipeline.cast import ptq, sequential
 from pipeline.formats import FormatBase
+from pipeline.formats.numerics import GPTQ_ACT_ORDER
 from pipeline.formats.precision import Precision
 from pipeline.packed.safetensors_io import write_tensors
 from pipeline.files.hashes import cached_file_hash, file_hash, file_sha256, fingerprint
@@ -86,7 +87,7 @@ def gptq_cost(shape) -> float:
 
 
 def cast_one(plan: Precision, name: str, weight: torch.Tensor, algorithm: str, hessian, fitted,
-             act_order: bool = True):
+             act_order: bool = GPTQ_ACT_ORDER):
     """``(packed tensors, master)`` of weight ``name`` in its planned format: ``algorithm`` for the plan's comparison
     format (from its ``fitted`` state; GPTQ with ``act_order`` or not), ``absmax`` for the others (INT8's only
     algorithm)."""
@@ -97,7 +98,7 @@ def cast_one(plan: Precision, name: str, weight: torch.Tensor, algorithm: str, h
 
 
 def cast_group(plan: Precision, names: list[str], weight, fitted, hessian, algorithm: str, path: Path,
-               fingerprint: str, on_matrix=None, act_order: bool = True) -> None:
+               fingerprint: str, on_matrix=None, act_order: bool = GPTQ_ACT_ORDER) -> None:
     """Cast the weights ``names`` (checkpoint ``P`` of ``P.weight``) and write them to ``path``: ``weight(P)``,
     ``fitted(P)`` and ``hessian(P)`` give the teacher's weight, the fitted state and ``X^T X`` (or None)."""
     tensors = {}
@@ -120,7 +121,7 @@ def write_group(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 
 def cast_in_order(plan: Precision, model, inputs: list[dict], fitted, algorithm: str, staging: Path, fingerprint: str,
-                  on_matrix=None, act_order: bool = True) -> None:
+                  on_matrix=None, act_order: bool = GPTQ_ACT_ORDER) -> None:
     """The sequential cast (:mod:`pipeline.cast.sequential`) of ``model`` (the teacher in float32, cast in place) over
     the calibration ``inputs``, each decoder layer's file written to ``staging`` as soon as its weights are cast. A file
     finished by an earlier run with the same ``fingerprint`` is read back instead of recast (its decoded weights

@@ -40,6 +40,7 @@ from typing import Literal, get_args
 import torch
 
 from pipeline.formats.base import FormatBase, State, check_weight
+from pipeline.formats.numerics import GPTQ_ACT_ORDER
 from pipeline.formats.precision import check_rules
 
 Algorithm = Literal["absmax", "search", "gptq"]
@@ -106,7 +107,7 @@ def check_hessian(hessian: torch.Tensor | None, d_in: int) -> torch.Tensor | Non
 def pack(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
          importance: torch.Tensor | None = None, hessian: torch.Tensor | None = None, seed: int = 0,
          fitted: State | None = None, compensated: torch.Tensor | None = None,
-         act_order: bool = True) -> dict[str, torch.Tensor]:
+         act_order: bool = GPTQ_ACT_ORDER) -> dict[str, torch.Tensor]:
     """The packed tensors (``{suffix: tensor}``, as ``fmt.pack`` lays them out) of ``weight`` cast to format
     ``fmt`` by ``algorithm`` (``absmax``, the only one for the formats outside the comparison: int8, bf16; the
     stages take it from parameter ``pack.algorithm``). What a packer writes. ``fitted``: the format's
@@ -154,7 +155,7 @@ def direct_cast(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
 
 def cast(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
          hessian: torch.Tensor | None = None, seed: int = 0,
-         fitted: State | None = None, act_order: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+         fitted: State | None = None, act_order: bool = GPTQ_ACT_ORDER) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The direct cast and the point QAT can start from, in one computation: ``(packed tensors, master)``, the
     tensors :func:`pack` writes and a float32 master weight such that quantising it at their state and scale
     gives those tensors' decoded weight bit for bit.
@@ -175,10 +176,11 @@ def cast(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
 
 
 def start(fmt: FormatBase, weight: torch.Tensor, *, algorithm: str,
-          hessian: torch.Tensor | None = None, seed: int = 0,
-          fitted: State | None = None) -> tuple[torch.Tensor, State, torch.Tensor]:
+          hessian: torch.Tensor | None = None, seed: int = 0, fitted: State | None = None,
+          act_order: bool = GPTQ_ACT_ORDER) -> tuple[torch.Tensor, State, torch.Tensor]:
     """The post-training point of :func:`cast` as QAT takes it: ``(master weight, quantiser state, bf16 scale)``."""
-    tensors, master = cast(fmt, weight, algorithm=algorithm, hessian=hessian, seed=seed, fitted=fitted)
+    tensors, master = cast(fmt, weight, algorithm=algorithm, hessian=hessian, seed=seed, fitted=fitted,
+                           act_order=act_order)
     return master, fmt.state_of(tensors), tensors["scale"]
 
 

@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from pipeline.formats.numerics import GPTQ_ACT_ORDER
+
 State = dict[str, torch.Tensor]
 """A format's fitted state (centroid table, code points): named tensors, stored as safetensors."""
 
@@ -170,7 +172,8 @@ class FormatBase:
         self._no_ptq("post-training methods")
 
     def gptq(self, weight: torch.Tensor, hessian: torch.Tensor, *, seed: int = 0, fitted: State | None = None,
-             compensated: torch.Tensor | None = None, act_order: bool = True) -> dict[str, torch.Tensor]:
+             compensated: torch.Tensor | None = None,
+             act_order: bool = GPTQ_ACT_ORDER) -> dict[str, torch.Tensor]:
         """The ``gptq`` method: packed tensors by error feedback through ``hessian`` on top of the search's start;
         ``compensated`` (float32 ``[d_out, d_in]``) receives the error-compensated weights it rounded;
         ``act_order``: the columns by decreasing ``H[k, k]`` (``numerics.gptq``)."""

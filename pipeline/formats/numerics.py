@@ -16,8 +16,9 @@ LS_STEPS = 2                  # least-squares scale refinements after each grid 
 KMEANS_VECTORS = 2 ** 18      # vectors a table refit uses at most (a seeded sample beyond)
 GPTQ_BLOCK = 128
 GPTQ_DAMP = 0.01
-GPTQ_ACT_ORDER = True
-"""Columns in order of decreasing ``H[k, k]`` (GPTQ's ``act_order``, GPTQModel's ``desc_act``): the columns that
+GPTQ_ACT_ORDER = False
+"""The default of every ``act_order`` argument (parameter ``calibrate.act_order``, ``s3d8 pack --act-order``): with it,
+columns in order of decreasing ``H[k, k]`` (GPTQ's ``act_order``, GPTQModel's ``desc_act``): the columns that
 carry the most signal are rounded first, while the most later columns remain to take up their error. Every
 format's scales are fixed before the error feedback (per row, or per block from the search: ``static_groups``), so
 the order changes which codes are chosen, never the layout."""
