@@ -1,10 +1,10 @@
-"""Per-token KL of ours (S3D8 QAT) and llama.cpp ours-float-activations against the float32 (rotated) teacher on the bench's 55 held-out
-answers, by teacher entropy and by position: where ours loses. Run in the run's workspace (seventeenth session):
-    PYTHONPATH=. S3D8_CPU_NUMERICS=native python kl_breakdown.py > kl_breakdown.txt
+"""Per-token KL of ours (S3D8 QAT, activations INT8 per token as packed) and the same file with activations left in
+float (act_quant=False) against the float32 rotated teacher on the bench's 54 held-out answers, by teacher entropy and
+by position (kl_breakdown.py with the llama.cpp file swapped out; twentieth session). In the run's workspace:
+    PYTHONPATH=. S3D8_CPU_NUMERICS=native python kl_actquant.py > kl_actquant.txt
 """
 import torch
 from pipeline.bench.real_model import packed_logits_fn
-from pipeline.bench.llama_cpp_files import llama_cpp_logits_fn
 torch.set_num_threads(2)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from pipeline.eval import text
