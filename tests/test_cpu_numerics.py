@@ -28,6 +28,8 @@ def _own_capability() -> str:
 
 OWN_CAPABILITY = _own_capability()
 
+INTEL = "GenuineIntel" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+
 needs_avx512 = pytest.mark.skipif(
     OWN_CAPABILITY != "AVX512" or "avx512" not in native.available_variants(),
     reason="this CPU's own code path is the AVX2 one: nothing to compare it with")
@@ -67,7 +69,10 @@ def test_the_forced_avx2_code_path_changes_torchs_results_without_the_pin():
     assert (own["capability"], own["variant"]) == ("AVX512", "avx512")
     assert (avx2["capability"], avx2["variant"]) == ("AVX2", "avx2")
     differ = [k for k in own["hashes"] if own["hashes"][k] != avx2["hashes"][k]]
-    assert {"fp32 matmul (MKL)", "cholesky (MKL)", "softmax (ATen)", "bf16 linear (oneDNN)"} <= set(differ), differ
+    expected = {"softmax (ATen)", "bf16 linear (oneDNN)"}
+    if INTEL:   # MKL runs its AVX2 kernels on an AMD CPU whatever it offers: nothing for the pin to change there
+        expected |= {"fp32 matmul (MKL)", "cholesky (MKL)"}
+    assert expected <= set(differ), differ
 
 
 @needs_avx512
