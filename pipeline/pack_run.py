@@ -22,8 +22,15 @@ from pipeline.stage import console, progress, versions
 from pipeline.teacher.source import TeacherParams, local_dir
 
 
-def pack_models(fmt: FormatBase, p: PackParams, teacher: TeacherParams) -> dict:
-    """Write ``models/packed/<format>/{direct-cast,qat}/``; returns the report (per model: size, bits)."""
+METHODS = ("direct-cast", "qat")
+
+
+def pack_models(fmt: FormatBase, p: PackParams, teacher: TeacherParams, methods=METHODS,
+                out_root: str = "models/packed") -> dict:
+    """Write ``<out_root>/<format>/{direct-cast,qat}/`` (``methods``: a direct cast alone can be packed and scored
+    before any QAT); returns the report (per model: size, bits)."""
+    if not methods or set(methods) - set(METHODS):
+        raise ValueError(f"methods: {list(methods)!r}; choose from {', '.join(METHODS)}")
     state_file = f"data/centroids/{fmt.name}.safetensors"
     states = check_states(fmt, fmt.load_states(state_file), state_file)
     config = load_config(teacher.dir).to_dict()
@@ -35,9 +42,11 @@ def pack_models(fmt: FormatBase, p: PackParams, teacher: TeacherParams) -> dict:
     report = {}
     # a rotated teacher (teacher.rotate) is another basis of the same model: the packed file says which
     rotated = {"rotate": teacher.rotate, "rotate_seed": teacher.rotate_seed} if teacher.rotate != "none" else {}
-    trained = convert(f"models/qat/{fmt.name}", plan)
-    with atomic_dir(f"models/packed/{fmt.name}") as out:
-        for method, source in (("direct-cast", teacher_dir), ("qat", f"models/qat/{fmt.name}")):
+    trained = convert(f"models/qat/{fmt.name}", plan) if "qat" in methods else None
+    sources = {"direct-cast": teacher_dir, "qat": f"models/qat/{fmt.name}"}
+    with atomic_dir(f"{out_root}/{fmt.name}") as out:
+        for method in (m for m in METHODS if m in methods):
+            source = sources[method]
             with progress() as bar:
                 task = bar.add_task(f"pack {fmt.name} {method}", total=len(states))
                 # the direct cast by the chosen post-training method; the QAT student at the quantiser state

@@ -15,12 +15,13 @@ parameter go to ``reports/pack/<format>.json``. The direct cast is stage direct-
 from __future__ import annotations
 
 import argparse
+import json
 
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 
 from pipeline import formats, params
 from pipeline.files.atomic import write_json
-from pipeline.pack_run import pack_models
+from pipeline.pack_run import METHODS, pack_models
 from pipeline.cast.ptq import PackParams
 from pipeline.stage import stage_errors
 from pipeline.teacher.source import TeacherParams
@@ -30,12 +31,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", required=True, help=f"one of {', '.join(formats.QUANTISED)}")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="which models to pack, comma-separated (default: both; 'direct-cast' alone packs a direct "
+                             "cast before any QAT, to score it; needs --out)")
+    parser.add_argument("--out", default="models/packed",
+                        help="the folder above <format>/ (default models/packed, the stage's output); any other "
+                             "leaves reports/pack/ alone and prints the report")
     args = parser.parse_args(argv)
     with stage_errors("pack-safetensors"):
         fmt = formats.comparison(args.format, "--format")
+        methods = tuple(m for m in args.methods.split(",") if m)
+        stage_output = args.out.rstrip("/") == "models/packed"
+        if stage_output and set(methods) != set(METHODS):
+            parser.error("--methods without both models replaces the stage's models/packed/: give --out too")
         p = params.load(PackParams, "pack", args.params)
         teacher = params.load(TeacherParams, "teacher", args.params)
-        write_json(f"reports/pack/{fmt.name}.json", pack_models(fmt, p, teacher))
+        report = pack_models(fmt, p, teacher, methods, args.out)
+        if stage_output:
+            write_json(f"reports/pack/{fmt.name}.json", report)
+        else:
+            print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

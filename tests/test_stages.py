@@ -198,6 +198,27 @@ def test_qat_from_the_ptq_point_with_learned_scales_and_a_table_refit(chain, tmp
         assert torch.equal(fmt.unpack(tensors, tuple(w.shape)), want), name
 
 
+def test_a_direct_cast_packed_alone_before_any_qat(chain, tmp_path, teacher):
+    """pack-safetensors --methods direct-cast --out DIR: the direct cast's directory, byte for byte the stage's,
+    without a QAT student; the stage's own models/packed/ and reports/pack/ are left alone, and not giving --out
+    is refused rather than replacing the stage's output with half of it."""
+    cwd = workdir(tmp_path, teacher)
+    for part in ("data/centroids", "models/direct-cast"):
+        shutil.copytree(chain / part, cwd / part)
+    proc = run_stage(cwd, "pack_safetensors.py", "--format", "s3d8", "--methods", "direct-cast", check=False)
+    assert proc.returncode != 0 and "--out" in proc.stderr, proc.stderr
+    proc = run_stage(cwd, "pack_safetensors.py", "--format", "s3d8", "--methods", "direct-cast", "--out", "dc")
+    assert json.loads(proc.stdout[proc.stdout.index("{"):])["direct-cast"]["bits_per_weight_whole"] > 0
+    assert sorted(p.name for p in (cwd / "dc/s3d8").iterdir()) == ["direct-cast"]
+    assert not (cwd / "models/packed").exists() and not (cwd / "reports/pack").exists()
+    ours, stage = cwd / "dc/s3d8/direct-cast", chain / "models/packed/s3d8/direct-cast"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in stage.iterdir())
+    for f in stage.iterdir():
+        assert (ours / f.name).read_bytes() == f.read_bytes(), f.name
+    proc = run_stage(cwd, "pack_safetensors.py", "--format", "s3d8", "--methods", "qat,dc", "--out", "x", check=False)
+    assert proc.returncode != 0 and "methods" in proc.stderr, proc.stderr
+
+
 def test_a_precision_plan_and_the_sequential_cast_through_the_stages(chain, tmp_path, teacher):
     """calibrate.sequential (the teacher's answers as calibration) and pack.precision (the token embedding and the
     down projections INT8) through direct-cast, qat-train (learned scales on every format) and pack-safetensors:
