@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pipeline.cpu_numerics  # noqa: F401  (first: one CPU code path, the same bytes on any x86-64)
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     with stage_errors("pack-safetensors"):
         fmt = formats.comparison(args.format, "--format")
         methods = tuple(m for m in args.methods.split(",") if m)
-        stage_output = args.out.rstrip("/") == "models/packed"
+        stage_output = Path(args.out).resolve() == Path("models/packed").resolve()
         if stage_output and set(methods) != set(METHODS):
             parser.error("--methods without both models replaces the stage's models/packed/: give --out too")
         p = params.load(PackParams, "pack", args.params)
