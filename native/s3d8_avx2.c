@@ -21,8 +21,8 @@
  * m = 1 would be bound by memory bandwidth only at 1/3 byte per weight, so every instruction per
  * packed byte counts: per 32 packed bytes (96 weights) this is 4 shared index ops, 9 lookup ops,
  * 4 sign ops, then 4 ops per lane and token (sign, maddubs, maddwd, add). Its rows are read
- * S3D8_STREAMS at a time with the next block prefetched into L2 (s3d8_groups_token), as the
- * AVX-512 variant reads them. */
+ * S3D8_STREAMS at a time with the next block prefetched (s3d8_groups_token; into L1 on AMD CPUs,
+ * into L2 on the others: s3d8_next_block_to_l1), as the AVX-512 variant reads them. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -257,12 +257,12 @@ static inline __attribute__((always_inline)) void s3d8_group_tokens(
 }
 
 /* One token times G packed rows (3G output channels) read at once, and the next block of G rows
- * prefetched into L2 front to back while this one is read (G lines a 64-byte step, so that the
+ * prefetched front to back (into L1 if `near`, else L2) while this one is read (G lines a 64-byte step, so that the
  * whole next block is requested before its first load): the one-token product's read pattern of
  * the AVX-512 variant. A row's magnitudes and signs live only while that row is accumulated, so G
  * rows take 3G accumulators (G = 2: 6 of the 16 ymm registers). */
 static inline __attribute__((always_inline)) void s3d8_groups_token(
-    int G, size_t k16, const uint8_t *rows0, size_t left, const int8_t *xq, const magtab *t,
+    int G, int near, size_t k16, const uint8_t *rows0, size_t left, const int8_t *xq, const magtab *t,
     const uint16_t *w_scale, float x_scale, float *y) {
     __m256i acc[S3D8_STREAMS][3], mag[3], sgn[3];
     size_t next = (size_t)G * k16;
@@ -271,7 +271,10 @@ static inline __attribute__((always_inline)) void s3d8_groups_token(
     size_t c = 0;
     for (; c + 64 <= k16; c += 64, next += (size_t)G * 64) {
         for (int g = 0; g < G; g++) {
-            if (next + 64 * g < left) _mm_prefetch((const char *)rows0 + next + 64 * g, _MM_HINT_T1);
+            if (next + 64 * g < left) {
+                if (near) _mm_prefetch((const char *)rows0 + next + 64 * g, _MM_HINT_T0);
+                else _mm_prefetch((const char *)rows0 + next + 64 * g, _MM_HINT_T1);
+            }
             for (size_t h = 0; h < 64; h += 32) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c + h));
                 decode32(_mm256_loadu_si256((const __m256i *)(rows0 + g * k16 + c + h)), t, mag, sgn);
@@ -307,15 +310,21 @@ static void matmul_s3d8_avx2(size_t m, size_t n, size_t k, const int8_t *xq, siz
     /* start the stream: one token's first block (its loop prefetches each next one), else the first
      * PREFETCH_BYTES (the loop below runs that far ahead) */
     size_t start = m == 1 ? S3D8_STREAMS * k16 : PREFETCH_BYTES;
+    int near = s3d8_next_block_to_l1();
     for (size_t b = 0; b < start && b < S3D8_GROUPS(n) * k16; b += 64) {
-        if (m == 1) _mm_prefetch((const char *)packed + b, _MM_HINT_T1);
+        if (m == 1 && !near) _mm_prefetch((const char *)packed + b, _MM_HINT_T1);
         else _mm_prefetch((const char *)packed + b, _MM_HINT_T0);
     }
     size_t g = 0;
     if (m == 1) /* whole groups of 3 channels, S3D8_STREAMS packed rows at a time */
-        for (; g + S3D8_STREAMS <= n / 3; g += S3D8_STREAMS)
-            s3d8_groups_token(S3D8_STREAMS, k16, packed + g * k16, (S3D8_GROUPS(n) - g) * k16, xq, &t,
-                              w_scale + 3 * g, x_scale[0], y + 3 * g);
+        for (; g + S3D8_STREAMS <= n / 3; g += S3D8_STREAMS) {
+#define S3D8_CALL(NEAR) s3d8_groups_token(S3D8_STREAMS, NEAR, k16, packed + g * k16,             \
+                                          (S3D8_GROUPS(n) - g) * k16, xq, &t, w_scale + 3 * g,   \
+                                          x_scale[0], y + 3 * g)
+            if (near) S3D8_CALL(1);
+            else S3D8_CALL(0);
+#undef S3D8_CALL
+        }
     for (; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;

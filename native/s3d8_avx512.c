@@ -8,7 +8,7 @@
  *
  * m = 1 is bound by memory bandwidth: the packed matrix is read S3D8_STREAMS rows at a time (a
  * block of that many rows, contiguous in memory), and while one block is read the next one is
- * prefetched into L2 front to back, S3D8_STREAMS lines per 64-byte step, so that the whole block is
+ * prefetched front to back (into L1 on AMD CPUs, into L2 on the others: s3d8_next_block_to_l1), S3D8_STREAMS lines per 64-byte step, so that the whole block is
  * on its way before its first load. One core keeps too few DRAM reads in flight from the demand
  * loads and the hardware prefetcher alone, and a prefetch a fixed distance ahead in each row
  * interleaves as many streams as rows (README, "Generating with a packed model"). */
@@ -25,9 +25,6 @@
 #endif
 #ifndef S3D8_STREAMS /* packed rows read at once by the one-token product */
 #define S3D8_STREAMS 4
-#endif
-#ifndef S3D8_NEXT_HINT /* where the one-token product's prefetch of the next block goes */
-#define S3D8_NEXT_HINT _MM_HINT_T1
 #endif
 #ifndef QSI8_PREFETCH_BYTES
 #define QSI8_PREFETCH_BYTES 512
@@ -165,10 +162,10 @@ static inline __attribute__((always_inline)) void s3d8_group_tokens(
 
 /* One token times G packed rows (3G output channels) at once: G read streams, as the INT8 product
  * reads several rows. Step s prefetches lines sG .. sG + G - 1 of the next block (the bytes from
- * G k16 on, of the `left` bytes from rows0 on); the ceil(k16 / 64) steps cover its G k16 bytes. G is
- * a compile-time constant at each call. */
+ * G k16 on, of the `left` bytes from rows0 on) into L1 if `near`, else into L2; the ceil(k16 / 64)
+ * steps cover its G k16 bytes. G and near are compile-time constants at each call. */
 static inline __attribute__((always_inline)) void s3d8_groups_token(
-    int G, size_t k16, const uint8_t *rows0, size_t left, const int8_t *xq, __m512i l0,
+    int G, int near, size_t k16, const uint8_t *rows0, size_t left, const int8_t *xq, __m512i l0,
     __m512i l1, __m512i l2, const uint16_t *w_scale, float x_scale, int32_t x_sum, float *y) {
     __m512i acc[S3D8_STREAMS][3], w[3];
     size_t next = (size_t)G * k16;
@@ -179,7 +176,10 @@ static inline __attribute__((always_inline)) void s3d8_groups_token(
         __m512i xv = _mm512_loadu_si512(xq + c);
         __mmask64 mk = tail_mask(k16 - c); /* 16, 32 or 48 bytes at the end; x is zero beyond them */
         for (int g = 0; g < G; g++) {
-            if (next + 64 * g < left) _mm_prefetch((const char *)rows0 + next + 64 * g, S3D8_NEXT_HINT);
+            if (next + 64 * g < left) {
+                if (near) _mm_prefetch((const char *)rows0 + next + 64 * g, _MM_HINT_T0);
+                else _mm_prefetch((const char *)rows0 + next + 64 * g, _MM_HINT_T1);
+            }
             decode64(_mm512_maskz_loadu_epi8(mk, rows0 + g * k16 + c), l0, l1, l2, w);
             for (int j = 0; j < 3; j++) acc[g][j] = _mm512_dpbusd_epi32(acc[g][j], w[j], xv);
         }
@@ -197,15 +197,21 @@ static void matmul_s3d8_avx512(size_t m, size_t n, size_t k, const int8_t *xq, s
     /* start the stream: one token's first block (its loop prefetches each next one), else the first
      * S3D8_PREFETCH_BYTES (the loop below runs that far ahead) */
     size_t start = m == 1 ? S3D8_STREAMS * k16 : S3D8_PREFETCH_BYTES;
+    int near = s3d8_next_block_to_l1();
     for (size_t b = 0; b < start && b < S3D8_GROUPS(n) * k16; b += 64) {
-        if (m == 1) _mm_prefetch((const char *)packed + b, S3D8_NEXT_HINT);
+        if (m == 1 && !near) _mm_prefetch((const char *)packed + b, _MM_HINT_T1);
         else _mm_prefetch((const char *)packed + b, S3D8_PREFETCH_HINT);
     }
     size_t g = 0;
     if (m == 1) /* whole groups of 3 channels, S3D8_STREAMS packed rows at a time */
-        for (; g + S3D8_STREAMS <= n / 3; g += S3D8_STREAMS)
-            s3d8_groups_token(S3D8_STREAMS, k16, packed + g * k16, (S3D8_GROUPS(n) - g) * k16, xq, l0,
-                              l1, l2, w_scale + 3 * g, x_scale[0], x_sum[0], y + 3 * g);
+        for (; g + S3D8_STREAMS <= n / 3; g += S3D8_STREAMS) {
+#define S3D8_CALL(NEAR) s3d8_groups_token(S3D8_STREAMS, NEAR, k16, packed + g * k16,             \
+                                          (S3D8_GROUPS(n) - g) * k16, xq, l0, l1, l2,            \
+                                          w_scale + 3 * g, x_scale[0], x_sum[0], y + 3 * g)
+            if (near) S3D8_CALL(1);
+            else S3D8_CALL(0);
+#undef S3D8_CALL
+        }
     for (; g < S3D8_GROUPS(n); g++) {
         const uint8_t *row = packed + g * k16;
         size_t rows = n - 3 * g < 3 ? n - 3 * g : 3;

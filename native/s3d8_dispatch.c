@@ -63,6 +63,20 @@ static int cpu_has(const char *name) {
     return 0;
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+static int next_block_l1;
+
+__attribute__((constructor)) static void choose_next_block_prefetch(void) {
+    const char *forced = getenv("S3D8_NEXT_PREFETCH");
+    __builtin_cpu_init();
+    if (forced && strcmp(forced, "l1") == 0) next_block_l1 = 1;
+    else if (forced && strcmp(forced, "l2") == 0) next_block_l1 = 0;
+    else next_block_l1 = __builtin_cpu_is("amd");
+}
+
+int s3d8_next_block_to_l1(void) { return next_block_l1; }
+#endif
+
 int s3d8_variant_supported(int i) {
     return i >= 0 && i < N_VARIANTS && cpu_has(VARIANTS[i]->name);
 }
