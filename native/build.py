@@ -62,6 +62,7 @@ const s3d8_variant *s3d8_variant_get(int i);
 int s3d8_variant_supported(int i);
 int s3d8_variant_find(const char *name);
 int s3d8_variant_default(void);
+int s3d8_next_block_to_l1(void);
 int s3d8_quant(int v, int threads, size_t m, size_t k, const float *x, size_t x_stride, int8_t *xq,
                size_t xq_stride, float *x_scale, int32_t *x_sum);
 int s3d8_decode(int v, int threads, size_t n, size_t k, const uint8_t *packed,

@@ -36,16 +36,6 @@ void s3d8_quant_row_nonfinite(int8_t *xq, size_t xq_len, float *x_scale, int32_t
 void s3d8_quant_row_ref(size_t k, const float *x, int8_t *xq, size_t xq_len, float *x_scale,
                         int32_t *x_sum);
 
-/* Where the x86 one-token S3D8 products prefetch their next block: 1 = L1 (_MM_HINT_T0), 0 = L2
- * (_MM_HINT_T1). Chosen once, when the library loads: S3D8_NEXT_PREFETCH=l1 or l2 in the
- * environment, else L1 on AMD CPUs and L2 on the others. Measured with s3d8_bench, weights from
- * memory, one thread: on an AMD EPYC (Zen 4) the L2 hint halves the one-token S3D8 product (25-30
- * against 55-70 GMAC/s, AVX-512 and AVX2 variants alike); on an Intel Xeon the L2 block prefetch
- * was the faster (commit 787e787). */
-#if defined(__x86_64__) || defined(_M_X64)
-int s3d8_next_block_to_l1(void);
-#endif
-
 extern const s3d8_variant s3d8_variant_ref;
 #if defined(__x86_64__) || defined(_M_X64)
 extern const s3d8_variant s3d8_variant_avx2;

@@ -174,6 +174,16 @@ def variant() -> str:
     return ffi.string(lib.s3d8_variant_get(_variant_index(None)).name).decode()
 
 
+def next_block_prefetch() -> str | None:
+    """Where the x86 one-token S3D8 products prefetch their next block of packed rows, ``"l1"`` or ``"l2"``, as
+    the library chose it when it loaded (``S3D8_NEXT_PREFETCH=l1|l2``, else L1 on AMD CPUs and L2 on the others:
+    README, "On AMD CPUs the next block goes into L1"); None on Arm, whose kernels have no such choice."""
+    forced = os.environ.get("S3D8_NEXT_PREFETCH")
+    if forced not in (None, "", "l1", "l2"):
+        raise ValueError(f"S3D8_NEXT_PREFETCH={forced!r}: expected l1 or l2")
+    return {1: "l1", 0: "l2"}.get(lib.s3d8_next_block_to_l1())
+
+
 def _threads(threads: int | None) -> int:
     if threads is None:
         return max(1, min(torch.get_num_threads(), MAX_THREADS))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,32 @@ def test_environment_forces_variant(monkeypatch):
     monkeypatch.setenv("S3D8_VARIANT", "no-such-isa")
     with pytest.raises(ValueError, match="S3D8_VARIANT"):
         native.variant()
+
+
+def _prefetch_in_fresh_process(value: str | None) -> str:
+    """``native.next_block_prefetch()`` in a new interpreter (the library chooses when it loads)."""
+    env = {k: v for k, v in os.environ.items() if k != "S3D8_NEXT_PREFETCH"}
+    if value is not None:
+        env["S3D8_NEXT_PREFETCH"] = value
+    out = subprocess.run([sys.executable, "-c", "from pipeline import native; print(native.next_block_prefetch())"],
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=120)
+    return out.stdout.strip() if out.returncode == 0 else out.stderr
+
+
+def test_environment_chooses_the_next_block_prefetch(monkeypatch):
+    """The one-token S3D8 products prefetch into L1 on AMD CPUs and L2 on the others unless S3D8_NEXT_PREFETCH says;
+    Arm has no such choice."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert native.next_block_prefetch() is None
+        return
+    amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    loaded = native.next_block_prefetch()
+    assert _prefetch_in_fresh_process(None) == ("l1" if amd else "l2")
+    assert _prefetch_in_fresh_process("l1") == "l1"
+    assert _prefetch_in_fresh_process("l2") == "l2"
+    assert "S3D8_NEXT_PREFETCH='L3': expected l1 or l2" in _prefetch_in_fresh_process("L3")
+    monkeypatch.setenv("S3D8_NEXT_PREFETCH", "l1" if loaded == "l2" else "l2")
+    assert native.next_block_prefetch() == loaded       # chosen when the library loads, not at each call
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

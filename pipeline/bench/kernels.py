@@ -233,6 +233,7 @@ def machine_info(p: BenchParams) -> dict:
         pass
     return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
             "variant": p.variant or native.variant(), "variants": native.available_variants(),
+            "next_block_prefetch": native.next_block_prefetch(),
             "torch": torch.__version__, "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
             "load_average_start": round(os.getloadavg()[0], 2)}

@@ -41,7 +41,8 @@ def markdown(records: list[dict], summary: dict, machine: dict, p: BenchParams) 
     weights = "hot (one copy)" if p.hot else f"cold: rotating over at least {p.rotate_mb} MB of copies"
     lines = ["# Kernel benchmarks (arm-bench)", "",
              f"Measured by `stages/arm_bench.py` on {machine['cpu']} ({machine['arch']}, {machine['cores']} cores), "
-             f"library variant **{machine['variant']}** (available: {', '.join(machine['variants'])}), "
+             f"library variant **{machine['variant']}** (available: {', '.join(machine['variants'])}"
+             f"{'; next-block prefetch ' + machine['next_block_prefetch'] if machine.get('next_block_prefetch') else ''}), "
              f"torch {machine['torch']} ({machine['torch_capability']}), "
              f"OMP_WAIT_POLICY={machine.get('omp_wait_policy') or 'unset'}, load average "
              f"{machine.get('load_average_start')} at the start, {machine.get('load_average_end')} at the end. "

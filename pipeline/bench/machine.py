@@ -27,13 +27,23 @@ def describe() -> dict:
         pass
     return {"cpu": name, "flags": [f for f in FLAGS if f in flags], "cpus": os.cpu_count(),
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "s3d8_next_block_prefetch": _next_block_prefetch()}
+
+
+def _next_block_prefetch() -> str | None:
+    """``native.next_block_prefetch()`` (l1 / l2, what the S3D8 decode's speed depends on), None without a build."""
+    try:
+        from pipeline import native
+    except ImportError:
+        return None
+    return native.next_block_prefetch()
 
 
 def line(m: dict) -> str:
     """The machine in one line of a report."""
+    prefetch = f", S3D8 next-block prefetch {m['s3d8_next_block_prefetch']}" if m.get("s3d8_next_block_prefetch") else ""
     return (f"{m['cpu']} ({', '.join(m['flags']) or 'no SIMD flags found'}), {m['usable_cpus']} of {m['cpus']} CPUs "
-            f"usable, {m['platform']}")
+            f"usable, {m['platform']}{prefetch}")
 
 
 def _proc_mb(path: str, key: str) -> float | None:

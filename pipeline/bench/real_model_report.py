@@ -212,7 +212,8 @@ def write_report(data: dict, out_dir: str | Path) -> None:
           f"(`{t['teacher_data']}`); perplexity over {corpus['predicted_tokens']} predicted tokens of the held-out "
           f"corpus {corpus['name']} (Python {corpus['python']}, {corpus['windows']} windows of <= "
           f"{corpus['window']} tokens).", "",
-          f"Machine: {m['cpu']} ({', '.join(m['flags']) or 'no listed SIMD flags'}), {m['usable_cpus']} usable CPUs; "
+          f"Machine: {m['cpu']} ({', '.join(m['flags']) or 'no listed SIMD flags'}), {m['usable_cpus']} usable CPUs"
+          f"{', S3D8 next-block prefetch ' + m['s3d8_next_block_prefetch'] if m.get('s3d8_next_block_prefetch') else ''}; "
           f"load average {data.get('load_average_before')} before, {data.get('load_average')} at the end. Speed: "
           f"{data['prompt_tokens']}-token prompt, {data['new_tokens']} new tokens, greedy, each row a fresh process; "
           "timings on a shared machine, compare within this run.", "",
