@@ -124,8 +124,9 @@ int s3d8_variant_find(const char *name);       /* index, or -1 */
  * otherwise the fastest supported one. */
 int s3d8_variant_default(void);
 /* Where the x86 one-token S3D8 products prefetch their next block of packed rows: 1 = L1, 0 = L2
- * (s3d8_internal.h; S3D8_NEXT_PREFETCH=l1|l2 from the environment when the library loads, else L1
- * on AMD CPUs and L2 on the others); -1 where the variants have no such choice (Arm). */
+ * (S3D8_NEXT_PREFETCH=l1|l2 from the environment when the library loads, else L1
+ * on AMD CPUs and L2 on the others; why: s3d8_dispatch.c); -1 where the variants have no such
+ * choice (Arm). */
 int s3d8_next_block_to_l1(void);
 
 /* The drivers split output channels (whole groups of 3 for S3D8) into contiguous chunks that
